@@ -1,0 +1,1 @@
+//! kvstream-backend-cpu (under construction).

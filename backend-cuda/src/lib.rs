@@ -1,0 +1,1 @@
+//! kvstream-backend-cuda (under construction).

@@ -1,0 +1,1 @@
+//! kvstream-backend-stub (under construction).

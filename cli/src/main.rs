@@ -1,0 +1,4 @@
+//! The `kvstream` binary.
+fn main() {
+    println!("kvstream");
+}

@@ -1,0 +1,1 @@
+//! kvstream-kernels (under construction).

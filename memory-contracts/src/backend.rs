@@ -1,0 +1,140 @@
+//! The backend: associated types only, plus what it can do.
+//!
+//! Like wgpu-hal's `Api`, [`Backend`] carries associated types and is used through static
+//! dispatch (`Engine<B: Backend>`). The operations live in separate small traits
+//! ([`crate::host::PinnedHost`], [`crate::transfer::CopyEngine`],
+//! [`crate::attention::StreamedAttention`], the traits in [`crate::ops`]) that a backend
+//! implements for itself. Validation lives above these traits, in backend-neutral code.
+
+use crate::kv::format::KvType;
+use std::fmt;
+
+/// An f32 activation tensor in device memory. Row-major; dims are informational for validation.
+pub trait DeviceTensor: Send + Sync + fmt::Debug {
+    /// The tensor's dimensions.
+    fn dims(&self) -> &[usize];
+    /// Number of elements.
+    fn numel(&self) -> usize {
+        self.dims().iter().product()
+    }
+}
+
+/// A buffer of raw device bytes (the arena parent is one of these).
+pub trait DeviceBuffer: Send + Sync + fmt::Debug {
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A weight tensor in device memory, in its stored dtype.
+pub trait DeviceWeight: Send + Sync + fmt::Debug {
+    /// Dimensions as stored (PyTorch `[out, in]` for linear layers).
+    fn dims(&self) -> &[usize];
+    /// Stored dtype.
+    fn dtype(&self) -> WeightDType;
+    /// Bytes it occupies on the device.
+    fn device_bytes(&self) -> usize;
+}
+
+/// A completion fence: a CPU latch, a CUDA event.
+pub trait Fence: Clone + Send + Sync + fmt::Debug {
+    /// True once the work it fences has finished (successfully or not).
+    fn is_complete(&self) -> bool;
+}
+
+/// Stored element type of a weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightDType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl WeightDType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            WeightDType::F32 => 4,
+            WeightDType::F16 | WeightDType::Bf16 => 2,
+        }
+    }
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightDType::F32 => "f32",
+            WeightDType::F16 => "f16",
+            WeightDType::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for WeightDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a backend can do. `kvstream inspect` prints this as a table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Backend name (`cpu`, `cuda`, `wgpu`).
+    pub backend: &'static str,
+    /// Device / adapter description.
+    pub device: String,
+    /// Page-locked host memory usable for asynchronous copies.
+    pub pinned_host: bool,
+    /// An asynchronous copy engine with ready/consumed fences.
+    pub copy_engine: bool,
+    /// Query widths the streamed-attention decode/verify path supports (1..=max).
+    pub max_decode_width: usize,
+    /// Streamed attention for prefill chunks of any width.
+    pub prefill_attention: bool,
+    /// Supported (K, V) element type pairs.
+    pub kv_pairs: Vec<(KvType, KvType)>,
+    /// The compute ops a model forward needs.
+    pub compute_ops: bool,
+    /// Weight dtypes the matmul/embedding ops read.
+    pub weight_dtypes: Vec<WeightDType>,
+    /// Bytes of device memory, if known.
+    pub device_memory: Option<u64>,
+}
+
+impl Capabilities {
+    /// Every (K, V) pair of [`KvType::ALL`].
+    pub fn all_kv_pairs() -> Vec<(KvType, KvType)> {
+        let mut v = Vec::new();
+        for k in KvType::ALL {
+            for vt in KvType::ALL {
+                v.push((k, vt));
+            }
+        }
+        v
+    }
+
+    /// True if the pair is supported.
+    pub fn supports_kv_pair(&self, k: KvType, v: KvType) -> bool {
+        self.kv_pairs.contains(&(k, v))
+    }
+}
+
+/// A compute backend. Associated types only; operations come from the other contract traits.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// Raw device bytes (arena parent).
+    type Buffer: DeviceBuffer;
+    /// f32 activations.
+    type Tensor: DeviceTensor;
+    /// Weights in their stored dtype.
+    type Weight: DeviceWeight;
+    /// Completion fences (ready / consumed / producer).
+    type Fence: Fence;
+    /// RAII token of a pinned host registration; dropping it unregisters.
+    type HostRegistration: Send + Sync + fmt::Debug;
+
+    /// Short name (`cpu`, `cuda`, `wgpu`).
+    fn name(&self) -> &'static str;
+    /// What this backend can do.
+    fn capabilities(&self) -> Capabilities;
+}

@@ -1,0 +1,1 @@
+//! Device-generic conformance suite (filled in by the backend work; see docs/porting.md).

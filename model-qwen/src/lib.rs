@@ -1,0 +1,1 @@
+//! kvstream-model-qwen (under construction).

@@ -1,0 +1,1 @@
+//! kvstream-runtime (under construction).
