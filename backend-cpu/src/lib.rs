@@ -1,1 +1,57 @@
-//! kvstream-backend-cpu (under construction).
+//! # kvstream CPU backend
+//!
+//! The reference implementation of every memory contract and compute op, over host memory. It is
+//! the oracle other backends are compared with and the no-GPU default.
+//!
+//! * "Device" memory is host memory ([`CpuBuffer`]); the arena is one such allocation.
+//! * Pinned-host registration is a no-op that still tracks ownership.
+//! * The copy engine is a worker thread with real fences: attention waits for *ready*, copies
+//!   wait for *consumed*.
+//! * Streamed attention walks spans in token order with f32 accumulators and normalises once.
+//! * Compute ops are multithreaded with rayon and read bf16/f16/f32 weights directly.
+
+mod tensor;
+
+pub use tensor::{CpuBuffer, CpuFence, CpuRegistration, CpuTensor, CpuWeight};
+
+use kvstream_memory_contracts::backend::{Backend, Capabilities, WeightDType};
+
+/// The CPU backend.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    _private: (),
+}
+
+impl CpuBackend {
+    /// A new CPU backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Fence = CpuFence;
+    type HostRegistration = CpuRegistration;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            backend: "cpu",
+            device: format!("host CPU ({} threads)", rayon::current_num_threads()),
+            pinned_host: true,
+            copy_engine: true,
+            max_decode_width: 64,
+            prefill_attention: true,
+            kv_pairs: Capabilities::all_kv_pairs(),
+            compute_ops: true,
+            weight_dtypes: vec![WeightDType::F32, WeightDType::F16, WeightDType::Bf16],
+            device_memory: None,
+        }
+    }
+}
