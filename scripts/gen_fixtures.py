@@ -352,7 +352,9 @@ def make_fixture(out_root, name, seed, text_cfg, wrapper=True, tied=False, store
         res["mtp_hidden"] = mh
         res["mtp_logits"] = model2.lm_head(mh)
 
-        # greedy generate, eos disabled
+        # greedy generate, eos disabled. NB: generate() fills every None field of the passed
+        # GenerationConfig from model.generation_config, so eos must be cleared there too.
+        model2.generation_config.eos_token_id = None
         gc = GenerationConfig(do_sample=False, max_new_tokens=GEN_NEW, min_new_tokens=0,
                               eos_token_id=None, pad_token_id=0, bos_token_id=None, use_cache=True)
         prompt = ids[:, :12]

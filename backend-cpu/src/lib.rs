@@ -10,6 +10,12 @@
 //! * Streamed attention walks spans in token order with f32 accumulators and normalises once.
 //! * Compute ops are multithreaded with rayon and read bf16/f16/f32 weights directly.
 
+mod attention;
+mod copy_engine;
+mod host;
+mod kv_write;
+mod memory;
+pub mod ops;
 mod tensor;
 
 pub use tensor::{CpuBuffer, CpuFence, CpuRegistration, CpuTensor, CpuWeight};
@@ -17,15 +23,38 @@ pub use tensor::{CpuBuffer, CpuFence, CpuRegistration, CpuTensor, CpuWeight};
 use kvstream_memory_contracts::backend::{Backend, Capabilities, WeightDType};
 
 /// The CPU backend.
-#[derive(Debug, Default)]
+///
+/// Owns the copy worker thread (joined when the backend is dropped) and the registry of host
+/// registrations.
+#[derive(Debug)]
 pub struct CpuBackend {
-    _private: (),
+    registry: host::HostRegistry,
+    copies: copy_engine::CopyWorker,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl CpuBackend {
-    /// A new CPU backend.
+    /// A new CPU backend with its copy worker started.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            registry: host::HostRegistry::default(),
+            copies: copy_engine::CopyWorker::start(),
+        }
+    }
+
+    /// Bytes of host memory currently registered through [`PinnedHost`](kvstream_memory_contracts::host::PinnedHost).
+    pub fn registered_host_bytes(&self) -> usize {
+        self.registry.bytes()
+    }
+
+    /// Number of live host registrations.
+    pub fn registered_host_allocations(&self) -> usize {
+        self.registry.count()
     }
 }
 

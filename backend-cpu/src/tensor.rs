@@ -1,6 +1,8 @@
 //! The CPU backend's associated types.
 
-use kvstream_memory_contracts::backend::{DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType};
+use kvstream_memory_contracts::backend::{
+    DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType,
+};
 use kvstream_memory_contracts::host::HostBytes;
 use kvstream_memory_contracts::ops::WeightData;
 use std::sync::{Arc, Condvar, Mutex};
@@ -90,6 +92,12 @@ impl CpuFence {
         }
         self.0.cv.notify_all();
     }
+    /// A fence already completed with `error` (the fenced work failed).
+    pub fn failed(error: impl Into<String>) -> Self {
+        let f = Self::default();
+        f.signal(Err(error.into()));
+        f
+    }
     /// Blocks until complete; returns the fenced work's result.
     pub fn wait(&self) -> Result<(), String> {
         let mut g = self.0.done.lock().unwrap_or_else(|e| e.into_inner());
@@ -97,6 +105,24 @@ impl CpuFence {
             g = self.0.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         g.clone().unwrap_or(Ok(()))
+    }
+    /// Blocks for at most `timeout`; `None` if the fence is still pending then, else its result.
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> Option<Result<(), String>> {
+        let g = self.0.done.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _) = self
+            .0
+            .cv
+            .wait_timeout_while(g, timeout, |d| d.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        g.clone()
+    }
+    /// The result if complete, without blocking.
+    pub fn try_result(&self) -> Option<Result<(), String>> {
+        self.0
+            .done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -110,16 +136,44 @@ impl Fence for CpuFence {
     }
 }
 
+/// What the CPU backend's no-op host registration tracks: the live registrations by base
+/// address and the bytes they cover.
+#[derive(Debug, Default)]
+pub(crate) struct RegistryState {
+    /// Base address → length of every live registration.
+    pub(crate) live: std::collections::HashMap<usize, usize>,
+    /// Sum of the live registrations' lengths.
+    pub(crate) bytes: usize,
+}
+
 /// Ownership record of a (no-op) host registration; unregisters on drop.
+///
+/// It keeps the registered allocation alive (like a real registration, which must be undone
+/// before the memory is freed) and removes its entry from the backend's registry when dropped.
 #[derive(Debug)]
 pub struct CpuRegistration {
     pub(crate) bytes: usize,
-    pub(crate) registry: Arc<Mutex<usize>>,
+    pub(crate) addr: usize,
+    pub(crate) memory: Arc<HostBytes>,
+    pub(crate) registry: Arc<Mutex<RegistryState>>,
+}
+
+impl CpuRegistration {
+    /// Bytes this registration covers.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// The registered allocation.
+    pub fn memory(&self) -> &Arc<HostBytes> {
+        &self.memory
+    }
 }
 
 impl Drop for CpuRegistration {
     fn drop(&mut self) {
         let mut g = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        *g = g.saturating_sub(self.bytes);
+        if g.live.remove(&self.addr).is_some() {
+            g.bytes = g.bytes.saturating_sub(self.bytes);
+        }
     }
 }

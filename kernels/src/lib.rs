@@ -1,1 +1,161 @@
-//! kvstream-kernels (under construction).
+//! # kvstream kernels
+//!
+//! The CUDA C sources of kvstream's device kernels and their launch metadata. The sources are
+//! embedded here and compiled at run time with NVRTC for the device's own architecture by
+//! `kvstream-backend-cuda` (which caches the compiled modules on disk). This crate has no CUDA
+//! dependency: it is plain data, so CI without a GPU can still list and check every kernel
+//! (`scripts/check_kernels.py` compiles every module with the NVRTC wheel).
+//!
+//! Every module is compiled as [`COMMON`] followed by the module's own source, with
+//! [`NVRTC_OPTIONS`] plus `--gpu-architecture=sm_XY`.
+
+/// Helpers prepended to every module (dtype conversions, reductions, KV dequantisation).
+pub const COMMON: &str = include_str!("cu/common.cuh");
+
+/// NVRTC options shared by every module (the architecture is added by the compiler).
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+
+/// One kernel module: a `.cu` source and the `extern "C"` kernels it defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelModule {
+    /// Module name (the file stem of `kernels/src/cu/<module>.cu`).
+    pub module: &'static str,
+    /// The module's own source (without [`COMMON`]).
+    pub source: &'static str,
+    /// Names of the kernels the module defines.
+    pub kernels: &'static [&'static str],
+}
+
+impl KernelModule {
+    /// The full source NVRTC compiles: [`COMMON`] then the module.
+    pub fn full_source(&self) -> String {
+        let mut s = String::with_capacity(COMMON.len() + self.source.len() + 1);
+        s.push_str(COMMON);
+        s.push('\n');
+        s.push_str(self.source);
+        s
+    }
+}
+
+/// Every kernel module. `scripts/check_kernels.py` parses this table: keep one
+/// `module: "..."` / `kernels: &[...]` pair per entry.
+pub const MODULES: &[KernelModule] = &[
+    KernelModule {
+        module: "elementwise",
+        source: include_str!("cu/elementwise.cu"),
+        kernels: &[
+            "add_f32",
+            "swiglu_f32",
+            "sigmoid_gate_f32",
+            "copy_cols_f32",
+            "embedding_gather",
+            "argmax_rows_f32",
+        ],
+    },
+    KernelModule {
+        module: "norm",
+        source: include_str!("cu/norm.cu"),
+        kernels: &["rms_norm_f32", "gated_rms_norm_f32"],
+    },
+    KernelModule {
+        module: "rope",
+        source: include_str!("cu/rope.cu"),
+        kernels: &["rope_f32"],
+    },
+    KernelModule {
+        module: "linear",
+        source: include_str!("cu/linear.cu"),
+        kernels: &["gemv_f32out", "gemm_f32out"],
+    },
+    KernelModule {
+        module: "recurrent",
+        source: include_str!("cu/recurrent.cu"),
+        kernels: &[
+            "causal_conv1d_f32",
+            "gdn_qk_norm",
+            "gdn_gates",
+            "gdn_recurrent",
+        ],
+    },
+    KernelModule {
+        module: "kv",
+        source: include_str!("cu/kv.cu"),
+        kernels: &["kv_write"],
+    },
+    KernelModule {
+        module: "attention",
+        source: include_str!("cu/attention.cu"),
+        kernels: &["attn_accumulate", "attn_finish"],
+    },
+    KernelModule {
+        module: "bench",
+        source: include_str!("cu/bench.cu"),
+        kernels: &["read_sum_f32"],
+    },
+];
+
+/// Launch constants shared between the sources and the launcher.
+pub mod launch {
+    /// Rows (tokens) the GEMV kernel handles in one launch; wider inputs use the GEMM kernel.
+    pub const GEMV_MAX_T: usize = 8;
+    /// Output tile of the GEMM kernel (square).
+    pub const GEMM_TILE: usize = 64;
+    /// Largest conv1d kernel length.
+    pub const CONV_MAX_K: usize = 8;
+    /// Largest `k_dim` of the gated delta rule kernel (8 slices × 32 registers).
+    pub const GDN_MAX_K_DIM: usize = 256;
+    /// Tokens per attention tile (the unit of split ownership).
+    pub const ATT_TILE: usize = 128;
+    /// Queries per attention block (decode widths 1..=4 read each K/V tile once).
+    pub const ATT_QW: usize = 4;
+    /// Threads per attention block.
+    pub const ATT_THREADS: usize = 256;
+}
+
+/// Finds the module that defines `kernel`.
+pub fn module_of(kernel: &str) -> Option<&'static KernelModule> {
+    MODULES.iter().find(|m| m.kernels.contains(&kernel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_listed_kernel_is_defined_in_its_source() {
+        let mut seen = HashSet::new();
+        for m in MODULES {
+            for k in m.kernels {
+                assert!(seen.insert(*k), "kernel {k} listed twice");
+                let needle = format!("__global__ void {k}(");
+                assert!(
+                    m.source.contains(&needle),
+                    "module {} does not define {k}",
+                    m.module
+                );
+            }
+        }
+        assert_eq!(
+            module_of("attn_finish").map(|m| m.module),
+            Some("attention")
+        );
+        assert!(module_of("no_such_kernel").is_none());
+    }
+
+    #[test]
+    fn every_defined_kernel_is_listed() {
+        for m in MODULES {
+            for line in m.source.lines() {
+                if let Some(rest) = line.split("__global__ void ").nth(1) {
+                    let name = rest.split('(').next().unwrap_or_default();
+                    assert!(
+                        m.kernels.contains(&name),
+                        "{}: kernel {name} missing from the table",
+                        m.module
+                    );
+                }
+            }
+        }
+    }
+}

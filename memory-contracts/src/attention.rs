@@ -76,7 +76,10 @@ impl<B: Backend> AttnAccumulator<B> {
 
 /// The backend side of streamed attention: thin, unchecked (inputs are validated above).
 pub trait StreamedAttention: Backend {
-    /// A fresh accumulator state of `shape.state_len()` f32: max = -inf, sum = 0, acc = 0.
+    /// A fresh accumulator state: max = -inf, sum = 0, acc = 0. The CPU backend uses exactly
+    /// `shape.state_len()` values; a GPU backend may keep one (max, sum, acc) per fixed token
+    /// split (ownership by token index, independent of span boundaries, combined once in
+    /// `attn_finish_unchecked`), so that streamed still equals resident bit-for-bit.
     fn attn_state_new(&self, shape: &AttentionShape) -> Result<Self::Tensor, AttentionError>;
 
     /// Continues the walk over `plan` (tokens `[plan.start(), plan.end())`) reading K/V pages from

@@ -166,6 +166,9 @@ pub enum ArenaError {
 /// Errors of transfers and fences.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransferError {
+    /// The backend has no copy engine / fences (e.g. the wgpu stub).
+    #[error(transparent)]
+    Capability(#[from] CapabilityError),
     #[error("copy failed: {0}")]
     CopyFailed(String),
     #[error("copy range [{offset}, {end}) is outside the {what} of {len} bytes")]
@@ -184,6 +187,9 @@ pub enum TransferError {
 /// Errors of the host KV store.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
+    /// The backend cannot register pinned host memory (e.g. the wgpu stub).
+    #[error(transparent)]
+    Capability(#[from] CapabilityError),
     #[error("layer {layer} is out of range (store has {layers} layers)")]
     Layer { layer: usize, layers: usize },
     #[error("host KV store is full: layer {layer} holds {len} of {capacity} tokens, cannot add {adding}")]

@@ -12,6 +12,7 @@
 //! * [`ops`]: the compute ops a model needs.
 //! * [`backend`]: the [`backend::Backend`] trait (associated types) and capabilities.
 //! * [`error`]: typed errors, including [`error::CapabilityError`].
+//! * [`report`]: the capability table and the first missing capability of a model run.
 //!
 //! No backend code lives here. Backends implement the traits; validation stays in this crate
 //! and in the runtime.
@@ -23,6 +24,7 @@ pub mod error;
 pub mod host;
 pub mod kv;
 pub mod ops;
+pub mod report;
 pub mod transfer;
 
 #[cfg(feature = "conformance")]

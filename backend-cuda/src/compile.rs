@@ -1,0 +1,177 @@
+//! Run-time compilation of the kernel modules with NVRTC for the device's own architecture, with
+//! an on-disk cache keyed by source hash, architecture and NVRTC version.
+//!
+//! Cache file: `$KVSTREAM_KERNEL_CACHE` or `$XDG_CACHE_HOME/kvstream/kernels` or
+//! `$HOME/.cache/kvstream/kernels`, then `<sha256(source+options)[..16]>-sm_XY-nvrtcMAJ.MIN.cubin`.
+//! A cache that cannot be read or written is not an error (the module is compiled again).
+
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+use kvstream_kernels::{KernelModule, NVRTC_OPTIONS};
+use sha2::{Digest, Sha256};
+use std::ffi::CString;
+use std::path::PathBuf;
+
+/// Why a module could not be compiled.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CompileError {
+    #[error("NVRTC library is not available")]
+    NoNvrtc,
+    #[error("NVRTC failed on module `{module}`: {detail}")]
+    Nvrtc {
+        module: &'static str,
+        detail: String,
+    },
+}
+
+/// The NVRTC version (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), CompileError> {
+    // SAFETY: only checks whether the shared library can be opened.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(CompileError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: both pointers are valid for writes.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(CompileError::Nvrtc {
+            module: "<version>",
+            detail: format!("{r:?}"),
+        });
+    }
+    Ok((major, minor))
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KVSTREAM_KERNEL_CACHE") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(p).join("kvstream").join("kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvstream/kernels"))
+}
+
+/// The cache key of `module` for `arch` (e.g. `sm_90`) and NVRTC `version`.
+pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> String {
+    let mut h = Sha256::new();
+    h.update(module.full_source().as_bytes());
+    for o in NVRTC_OPTIONS {
+        h.update(o.as_bytes());
+        h.update([0u8]);
+    }
+    let digest = h.finalize();
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{hex}-{arch}-nvrtc{}.{}.cubin",
+        module.module, version.0, version.1
+    )
+}
+
+/// Compiles `module` to a cubin for `arch` (`sm_90`), using and filling the disk cache.
+pub fn compile_module(module: &KernelModule, arch: &str) -> Result<Vec<u8>, CompileError> {
+    let version = nvrtc_version()?;
+    let key = cache_key(module, arch, version);
+    let dir = cache_dir();
+    if let Some(d) = &dir {
+        if let Ok(bytes) = std::fs::read(d.join(&key)) {
+            if !bytes.is_empty() {
+                tracing::debug!(module = module.module, key, "kernel cache hit");
+                return Ok(bytes);
+            }
+        }
+    }
+    let _span = tracing::info_span!("nvrtc_compile", module = module.module, arch).entered();
+    let cubin = compile_uncached(module, arch)?;
+    if let Some(d) = &dir {
+        let tmp = d.join(format!("{key}.tmp{}", std::process::id()));
+        let ok = std::fs::create_dir_all(d).is_ok()
+            && std::fs::write(&tmp, &cubin).is_ok()
+            && std::fs::rename(&tmp, d.join(&key)).is_ok();
+        if !ok {
+            tracing::debug!(dir = %d.display(), "kernel cache not writable");
+        }
+    }
+    Ok(cubin)
+}
+
+fn nvrtc_err(module: &'static str, detail: impl Into<String>) -> CompileError {
+    CompileError::Nvrtc {
+        module,
+        detail: detail.into(),
+    }
+}
+
+fn compile_uncached(module: &KernelModule, arch: &str) -> Result<Vec<u8>, CompileError> {
+    let name = module.module;
+    let src = CString::new(module.full_source()).map_err(|e| nvrtc_err(name, e.to_string()))?;
+    let fname = CString::new(format!("{name}.cu")).map_err(|e| nvrtc_err(name, e.to_string()))?;
+    let prog = nvrtc_result::create_program(&src, Some(&fname))
+        .map_err(|e| nvrtc_err(name, format!("create: {e:?}")))?;
+    let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(NVRTC_OPTIONS.iter().map(|s| s.to_string()));
+    // SAFETY: `prog` was just created and is destroyed exactly once below.
+    let compiled = unsafe { nvrtc_result::compile_program(prog, &opts) };
+    let out = match compiled {
+        Ok(()) => get_cubin(prog).map_err(|e| nvrtc_err(name, e)),
+        Err(e) => {
+            // SAFETY: `prog` is live.
+            let log = unsafe { nvrtc_result::get_program_log(prog) }
+                .map(|v| {
+                    let bytes: Vec<u8> =
+                        v.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
+                    String::from_utf8_lossy(&bytes).into_owned()
+                })
+                .unwrap_or_default();
+            Err(nvrtc_err(name, format!("{e:?}: {log}")))
+        }
+    };
+    // SAFETY: `prog` is live and not used after this.
+    let _ = unsafe { nvrtc_result::destroy_program(prog) };
+    out
+}
+
+fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    // SAFETY: `prog` is a compiled program; `size` is valid for writes.
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+        return Err(format!("no cubin ({r:?}, size {size})"));
+    }
+    let mut buf = vec![0u8; size];
+    // SAFETY: `buf` has exactly `size` bytes, as NVRTC asked for.
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcGetCUBIN: {r:?}"));
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_depends_on_source_arch_and_version() {
+        let m = &kvstream_kernels::MODULES[0];
+        let other = &kvstream_kernels::MODULES[1];
+        let k = cache_key(m, "sm_90", (13, 0));
+        assert_ne!(k, cache_key(m, "sm_89", (13, 0)));
+        assert_ne!(k, cache_key(m, "sm_90", (13, 1)));
+        assert_ne!(k, cache_key(other, "sm_90", (13, 0)));
+        assert!(k.ends_with("-sm_90-nvrtc13.0.cubin"));
+    }
+
+    /// Compiles every module for sm_90 when an NVRTC library can be loaded (e.g. with
+    /// `LD_LIBRARY_PATH` pointing at the nvidia-cuda-nvrtc wheel); skipped otherwise.
+    #[test]
+    fn every_module_compiles_when_nvrtc_is_present() {
+        if nvrtc_version().is_err() {
+            eprintln!("NVRTC not found: skipped");
+            return;
+        }
+        for m in kvstream_kernels::MODULES {
+            let cubin = compile_uncached(m, "sm_90");
+            assert!(cubin.is_ok(), "{}: {:?}", m.module, cubin.err());
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Allocation, upload and launch helpers shared by the ops.
+
+use crate::{CudaBackend, CudaTensor, DeviceAlloc};
+use cudarc::driver::{CudaFunction, DriverError, LaunchConfig};
+use kvstream_memory_contracts::error::OpError;
+use std::sync::Arc;
+
+/// Maps a driver error of `op` to [`OpError::Device`].
+pub(crate) fn dev(op: &'static str) -> impl Fn(DriverError) -> OpError {
+    move |e| OpError::Device {
+        op,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// A 1-D launch over `n` elements (grid-stride kernels; grid capped).
+pub(crate) fn grid1d(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 65_535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// The loaded kernel `name` (admission guarantees every listed kernel exists).
+    pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, OpError> {
+        self.kernels.get(name).ok_or_else(|| {
+            OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
+                "cuda",
+                name,
+                "kernel not loaded",
+            ))
+        })
+    }
+
+    /// Allocates `bytes` (uninitialised) on the compute stream.
+    pub(crate) fn alloc_bytes(
+        &self,
+        bytes: usize,
+        what: &str,
+    ) -> Result<Arc<DeviceAlloc>, OpError> {
+        self.ctx.bind_to_thread().map_err(dev("alloc"))?;
+        // Round up to 16 bytes so empty tensors have an address and vector loads stay in bounds.
+        let n = bytes.max(16).next_multiple_of(16);
+        // SAFETY: the memory is uninitialised; every caller writes it before reading it.
+        let slice = unsafe { self.compute.alloc::<u8>(n) }.map_err(|_| OpError::OutOfMemory {
+            what: what.to_string(),
+            bytes,
+        })?;
+        Ok(Arc::new(DeviceAlloc::new(slice, &self.compute, bytes)))
+    }
+
+    /// An uninitialised f32 tensor of `dims`.
+    pub(crate) fn tensor_uninit(&self, dims: &[usize]) -> Result<CudaTensor, OpError> {
+        let n: usize = dims.iter().product();
+        let alloc = self.alloc_bytes(n * 4, "tensor")?;
+        Ok(CudaTensor {
+            alloc,
+            dims: dims.to_vec(),
+        })
+    }
+
+    /// Uploads a small host slice (ids, positions, offsets) on the compute stream.
+    pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        data: &[T],
+        what: &str,
+    ) -> Result<Arc<DeviceAlloc>, OpError> {
+        let bytes = std::mem::size_of_val(data);
+        let a = self.alloc_bytes(bytes, what)?;
+        if bytes > 0 {
+            // SAFETY: `a` has at least `bytes` bytes; the driver stages pageable memory before the
+            // call returns, so `data` may be dropped afterwards.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(a.ptr(), data, self.compute.cu_stream())
+            }
+            .map_err(dev("upload"))?;
+        }
+        Ok(a)
+    }
+
+    /// Launches `f` on the compute stream with pre-built arguments.
+    pub(crate) fn launch(
+        &self,
+        op: &'static str,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), OpError> {
+        let _span = tracing::trace_span!("launch", op).entered();
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        // SAFETY: `args` points at live values whose types match the kernel's parameters (each
+        // caller builds them next to the kernel's signature in kernels/src/cu).
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.compute.cu_stream(),
+                args,
+            )
+        }
+        .map_err(dev(op))
+    }
+}
+
+/// Builds a kernel argument array from references: `args![a, b, c]`.
+macro_rules! args {
+    ($($x:expr),* $(,)?) => {
+        [$( ($x) as *const _ as *mut ::std::ffi::c_void ),*]
+    };
+}
+pub(crate) use args;

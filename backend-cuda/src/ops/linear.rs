@@ -1,0 +1,151 @@
+//! `LinearOps`: weight upload, embedding gather and matmul (GEMV for decode, tiled GEMM for
+//! prefill; own kernels reading bf16/f16/f32 weights with f32 accumulation).
+
+use crate::launch::args;
+use crate::types::dtype_code;
+use crate::{CudaBackend, CudaTensor, CudaWeight};
+use cudarc::driver::LaunchConfig;
+use kvstream_kernels::launch::{GEMM_TILE, GEMV_MAX_T};
+use kvstream_memory_contracts::backend::{DeviceTensor, WeightDType};
+use kvstream_memory_contracts::error::OpError;
+use kvstream_memory_contracts::ops::{LinearOps, WeightData};
+
+impl LinearOps for CudaBackend {
+    fn load_weight(
+        &self,
+        name: &str,
+        dtype: WeightDType,
+        dims: &[usize],
+        data: WeightData,
+    ) -> Result<CudaWeight, OpError> {
+        let _span = tracing::debug_span!("load_weight", name, bytes = data.len).entered();
+        let n: usize = dims.iter().product();
+        let expected = n.checked_mul(dtype.size());
+        if expected != Some(data.len) {
+            return Err(OpError::shape(
+                "load_weight",
+                format!(
+                    "`{name}`: {dtype} {dims:?} needs {} bytes, got {}",
+                    expected.map_or_else(|| "too many".to_string(), |e| e.to_string()),
+                    data.len
+                ),
+            ));
+        }
+        let src = (*data.source).as_ref();
+        let bytes = src
+            .get(data.offset..data.offset.saturating_add(data.len))
+            .ok_or_else(|| {
+                OpError::shape(
+                    "load_weight",
+                    format!("`{name}`: byte range outside its source"),
+                )
+            })?;
+        let alloc = self.upload(bytes, name)?;
+        Ok(CudaWeight {
+            alloc,
+            dims: dims.to_vec(),
+            dtype,
+            name: name.to_string(),
+        })
+    }
+
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, OpError> {
+        if table.dims.len() != 2 {
+            return Err(OpError::shape(
+                "embedding",
+                format!("table {:?} is not [V, H]", table.dims),
+            ));
+        }
+        let (v, h) = (table.dims[0], table.dims[1]);
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
+            return Err(OpError::shape(
+                "embedding",
+                format!("id {bad} is not below the vocabulary size {v}"),
+            ));
+        }
+        let out = self.tensor_uninit(&[ids.len(), h])?;
+        if ids.is_empty() || h == 0 {
+            return Ok(out);
+        }
+        let ids_dev = self.upload(ids, "ids")?;
+        let f = self.func("embedding_gather")?;
+        let (tp, dt, ip, n, hh, op) = (
+            table.ptr(),
+            dtype_code(table.dtype),
+            ids_dev.ptr(),
+            ids.len() as u64,
+            h as u64,
+            out.ptr(),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                h.div_ceil(256).min(1024) as u32,
+                ids.len().min(65_535) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut a = args![&tp, &dt, &ip, &n, &hh, &op];
+        self.launch("embedding", f, cfg, &mut a)?;
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor, OpError> {
+        if w.dims.len() != 2 {
+            return Err(OpError::shape(
+                "matmul",
+                format!("weight `{}` {:?} is not [N, K]", w.name, w.dims),
+            ));
+        }
+        let (n, k) = (w.dims[0], w.dims[1]);
+        if k == 0 || x.numel() % k != 0 || super::last_dim(x) != k {
+            return Err(OpError::shape(
+                "matmul",
+                format!(
+                    "x {:?} does not end in K = {k} (weight `{}`)",
+                    x.dims, w.name
+                ),
+            ));
+        }
+        let t = x.numel() / k;
+        let _span = tracing::trace_span!("matmul", t, n, k).entered();
+        let out = self.tensor_uninit(&[t, n])?;
+        if t == 0 || n == 0 {
+            return Ok(out);
+        }
+        let (xp, wp, dt, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), out.ptr());
+        let (k64, n64) = (k as u64, n as u64);
+        if t <= GEMV_MAX_T {
+            let f = self.func("gemv_f32out")?;
+            let t32 = t as i32;
+            let vec = i32::from(k % 8 == 0 && w.dtype != WeightDType::F32);
+            let warps = 8u32;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(warps as usize) as u32, 1, 1),
+                block_dim: (warps * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut a = args![&xp, &wp, &dt, &yp, &t32, &k64, &n64, &vec];
+            self.launch("gemv", f, cfg, &mut a)?;
+        } else {
+            let f = self.func("gemm_f32out")?;
+            let t64 = t as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(GEMM_TILE) as u32,
+                    t.div_ceil(GEMM_TILE).min(65_535) as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            if t.div_ceil(GEMM_TILE) > 65_535 {
+                return Err(OpError::shape("matmul", format!("{t} rows is too many")));
+            }
+            let mut a = args![&xp, &wp, &dt, &yp, &t64, &k64, &n64];
+            self.launch("gemm", f, cfg, &mut a)?;
+        }
+        Ok(out)
+    }
+}

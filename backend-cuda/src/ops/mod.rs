@@ -1,0 +1,38 @@
+//! The compute ops on the device (every trait of `memory_contracts::ops`).
+//!
+//! * [`tensor`]: `TensorOps`.  * [`linear`]: `LinearOps` (GEMV for ≤ 8 rows, tiled GEMM above).
+//! * [`pointwise`]: `NormOps`, `PositionOps`, `ActivationOps`, `SamplingOps`.
+//! * [`recurrent`]: `RecurrentOps`.  * [`kv`]: `KvOps`.
+
+mod kv;
+pub(crate) use kv::kv_code;
+mod linear;
+mod pointwise;
+mod recurrent;
+mod tensor;
+
+use crate::CudaTensor;
+use kvstream_memory_contracts::backend::DeviceTensor;
+use kvstream_memory_contracts::error::OpError;
+
+/// Checks that two tensors have the same number of elements.
+pub(crate) fn same_len(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<(), OpError> {
+    if a.numel() != b.numel() {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "element counts differ: {:?} ({}) vs {:?} ({})",
+                a.dims,
+                a.numel(),
+                b.dims,
+                b.numel()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The last dimension of a tensor (1 for scalars).
+pub(crate) fn last_dim(t: &CudaTensor) -> usize {
+    t.dims.last().copied().unwrap_or(1)
+}

@@ -1,0 +1,169 @@
+//! `NormOps`, `PositionOps`, `ActivationOps` and `SamplingOps`.
+
+use crate::launch::{args, dev, grid1d};
+use crate::types::dtype_code;
+use crate::{CudaBackend, CudaTensor, CudaWeight};
+use cudarc::driver::{result, LaunchConfig};
+use kvstream_memory_contracts::backend::DeviceTensor;
+use kvstream_memory_contracts::error::OpError;
+use kvstream_memory_contracts::ops::{
+    ActivationOps, NormOps, Position3, PositionOps, RopeConfig, SamplingOps,
+};
+
+fn norm_rows(op: &'static str, x: &CudaTensor, w: &CudaWeight) -> Result<(usize, usize), OpError> {
+    let d = w.numel();
+    if d == 0 || x.numel() % d != 0 {
+        return Err(OpError::shape(
+            op,
+            format!("x {:?} is not a multiple of the weight length {d}", x.dims),
+        ));
+    }
+    Ok((x.numel() / d, d))
+}
+
+fn row_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl NormOps for CudaBackend {
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        unit_offset: f32,
+    ) -> Result<CudaTensor, OpError> {
+        let (rows, d) = norm_rows("rms_norm", x, w)?;
+        let out = self.tensor_uninit(&x.dims)?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let f = self.func("rms_norm_f32")?;
+        let (xp, wp, dt, d64, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), d as u64, out.ptr());
+        let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp];
+        self.launch("rms_norm", f, row_cfg(rows), &mut a)?;
+        Ok(out)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &CudaTensor,
+        z: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> Result<CudaTensor, OpError> {
+        let (rows, d) = norm_rows("gated_rms_norm", x, w)?;
+        super::same_len("gated_rms_norm", x, z)?;
+        let out = self.tensor_uninit(&x.dims)?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let f = self.func("gated_rms_norm_f32")?;
+        let (xp, zp, wp, dt, d64, yp) = (
+            x.ptr(),
+            z.ptr(),
+            w.ptr(),
+            dtype_code(w.dtype),
+            d as u64,
+            out.ptr(),
+        );
+        let mut a = args![&xp, &zp, &wp, &dt, &d64, &eps, &yp];
+        self.launch("gated_rms_norm", f, row_cfg(rows), &mut a)?;
+        Ok(out)
+    }
+}
+
+impl PositionOps for CudaBackend {
+    fn rope(
+        &self,
+        x: &CudaTensor,
+        heads: usize,
+        head_dim: usize,
+        positions: &[Position3],
+        cfg: &RopeConfig,
+    ) -> Result<CudaTensor, OpError> {
+        let t = positions.len();
+        if x.numel() != t * heads * head_dim {
+            return Err(OpError::shape(
+                "rope",
+                format!("x {:?} is not [{t}, {heads}, {head_dim}]", x.dims),
+            ));
+        }
+        if cfg.rotary_dim % 2 != 0 || cfg.rotary_dim > head_dim {
+            return Err(OpError::shape(
+                "rope",
+                format!("rotary_dim {} vs head_dim {head_dim}", cfg.rotary_dim),
+            ));
+        }
+        let out = self.tensor_uninit(&x.dims)?;
+        if x.numel() == 0 {
+            return Ok(out);
+        }
+        let half = cfg.rotary_dim / 2;
+        let axis: Vec<i32> = (0..half.max(1)).map(|j| cfg.axis_of(j) as i32).collect();
+        let inv: Vec<f32> = (0..half.max(1)).map(|j| cfg.inv_freq(j)).collect();
+        let pos: Vec<u32> = positions.iter().flat_map(|p| p.iter().copied()).collect();
+        let (pd, ad, id) = (
+            self.upload(&pos, "positions")?,
+            self.upload(&axis, "rope axes")?,
+            self.upload(&inv, "inv_freq")?,
+        );
+        let f = self.func("rope_f32")?;
+        let (xp, yp, t64, h, hd, rd, pp, ap, ip) = (
+            x.ptr(),
+            out.ptr(),
+            t as u64,
+            heads as i32,
+            head_dim as i32,
+            cfg.rotary_dim as i32,
+            pd.ptr(),
+            ad.ptr(),
+            id.ptr(),
+        );
+        let mut a = args![&xp, &yp, &t64, &h, &hd, &rd, &pp, &ap, &ip];
+        self.launch("rope", f, grid1d(x.numel(), 256), &mut a)?;
+        Ok(out)
+    }
+}
+
+impl ActivationOps for CudaBackend {
+    fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, OpError> {
+        self.binary("swiglu_f32", "swiglu", gate, up)
+    }
+
+    fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor, OpError> {
+        self.binary("sigmoid_gate_f32", "sigmoid_gate", x, gate)
+    }
+}
+
+impl SamplingOps for CudaBackend {
+    fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>, OpError> {
+        let v = super::last_dim(logits);
+        if v == 0 || logits.numel() % v != 0 {
+            return Err(OpError::shape(
+                "argmax_rows",
+                format!("logits {:?} have no columns", logits.dims),
+            ));
+        }
+        let rows = logits.numel() / v;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let outd = self.alloc_bytes(rows * 4, "argmax")?;
+        let f = self.func("argmax_rows_f32")?;
+        let (lp, c, op) = (logits.ptr(), v as u64, outd.ptr());
+        let mut a = args![&lp, &c, &op];
+        self.launch("argmax_rows", f, row_cfg(rows), &mut a)?;
+        let mut out = vec![0u32; rows];
+        // SAFETY: `outd` holds `rows` u32 values written by the kernel (ordered before this copy
+        // on the compute stream); `out` outlives the synchronisation.
+        unsafe { result::memcpy_dtoh_async(&mut out, outd.ptr(), self.compute.cu_stream()) }
+            .map_err(dev("argmax_rows"))?;
+        self.compute.synchronize().map_err(dev("argmax_rows"))?;
+        Ok(out)
+    }
+}

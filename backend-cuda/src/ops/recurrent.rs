@@ -1,0 +1,201 @@
+//! `RecurrentOps`: causal conv1d with state and the gated delta rule (f32 state).
+//!
+//! Both [`DeltaMode`]s run the token recurrence on the device (equal to the chunked form in exact
+//! arithmetic; a chunked WY kernel for long prefills is future work).
+
+use crate::launch::{args, grid1d};
+use crate::types::dtype_code;
+use crate::{CudaBackend, CudaTensor, CudaWeight};
+use cudarc::driver::LaunchConfig;
+use kvstream_kernels::launch::{CONV_MAX_K, GDN_MAX_K_DIM};
+use kvstream_memory_contracts::backend::DeviceTensor;
+use kvstream_memory_contracts::error::OpError;
+use kvstream_memory_contracts::ops::{DeltaMode, DeltaShape, RecurrentOps};
+
+fn expect_len(op: &'static str, name: &str, t: &CudaTensor, n: usize) -> Result<(), OpError> {
+    if t.numel() != n {
+        return Err(OpError::shape(
+            op,
+            format!(
+                "{name} {:?} has {} elements, expected {n}",
+                t.dims,
+                t.numel()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl RecurrentOps for CudaBackend {
+    fn causal_conv1d(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        state: &mut CudaTensor,
+    ) -> Result<CudaTensor, OpError> {
+        if w.dims.len() != 3 || w.dims[1] != 1 {
+            return Err(OpError::shape(
+                "causal_conv1d",
+                format!("weight {:?} is not [C, 1, K]", w.dims),
+            ));
+        }
+        let (c, k) = (w.dims[0], w.dims[2]);
+        if k == 0 || k > CONV_MAX_K {
+            return Err(OpError::shape(
+                "causal_conv1d",
+                format!("kernel length {k} is not in 1..={CONV_MAX_K}"),
+            ));
+        }
+        if c == 0 || x.numel() % c != 0 {
+            return Err(OpError::shape(
+                "causal_conv1d",
+                format!("x {:?} is not [T, {c}]", x.dims),
+            ));
+        }
+        expect_len("causal_conv1d", "state", state, (k - 1) * c)?;
+        let t = x.numel() / c;
+        let out = self.tensor_uninit(&x.dims)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let f = self.func("causal_conv1d_f32")?;
+        let (xp, wp, dt, sp, yp, t64, c64, k32) = (
+            x.ptr(),
+            w.ptr(),
+            dtype_code(w.dtype),
+            state.ptr(),
+            out.ptr(),
+            t as u64,
+            c as u64,
+            k as i32,
+        );
+        let mut a = args![&xp, &wp, &dt, &sp, &yp, &t64, &c64, &k32];
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("causal_conv1d", f, cfg, &mut a)?;
+        Ok(out)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        shape: &DeltaShape,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+        state: &mut CudaTensor,
+        mode: DeltaMode,
+    ) -> Result<CudaTensor, OpError> {
+        let op = "gated_delta_rule";
+        let s = *shape;
+        let _span = tracing::trace_span!("gated_delta_rule", t = s.tokens, ?mode).entered();
+        if s.k_heads == 0 || s.v_heads % s.k_heads != 0 {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "v_heads {} is not a multiple of k_heads {}",
+                    s.v_heads, s.k_heads
+                ),
+            ));
+        }
+        if s.k_dim == 0 || s.k_dim > GDN_MAX_K_DIM || s.v_dim == 0 {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "k_dim {} must be in 1..={GDN_MAX_K_DIM}, v_dim {} > 0",
+                    s.k_dim, s.v_dim
+                ),
+            ));
+        }
+        if let DeltaMode::Chunked { chunk: 0 } = mode {
+            return Err(OpError::shape(op, "chunk size 0"));
+        }
+        expect_len(op, "q", q, s.tokens * s.k_heads * s.k_dim)?;
+        expect_len(op, "k", k, s.tokens * s.k_heads * s.k_dim)?;
+        expect_len(op, "v", v, s.tokens * s.v_heads * s.v_dim)?;
+        expect_len(op, "a", a, s.tokens * s.v_heads)?;
+        expect_len(op, "b", b, s.tokens * s.v_heads)?;
+        expect_len(op, "state", state, s.v_heads * s.k_dim * s.v_dim)?;
+        if a_log.numel() != s.v_heads || dt_bias.numel() != s.v_heads {
+            return Err(OpError::shape(
+                op,
+                "a_log and dt_bias must have v_heads values",
+            ));
+        }
+        let out = self.tensor_uninit(&[s.tokens, s.v_heads, s.v_dim])?;
+        if s.tokens == 0 {
+            return Ok(out);
+        }
+        let rows = s.tokens * s.k_heads;
+        let qn = self.tensor_uninit(&[rows, s.k_dim])?;
+        let kn = self.tensor_uninit(&[rows, s.k_dim])?;
+        let beta = self.tensor_uninit(&[s.tokens, s.v_heads])?;
+        let g = self.tensor_uninit(&[s.tokens, s.v_heads])?;
+        {
+            let f = self.func("gdn_qk_norm")?;
+            let (qp, kp, qnp, knp, r64, kd) = (
+                q.ptr(),
+                k.ptr(),
+                qn.ptr(),
+                kn.ptr(),
+                rows as u64,
+                s.k_dim as i32,
+            );
+            let mut ar = args![&qp, &kp, &qnp, &knp, &r64, &kd];
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("gdn_qk_norm", f, cfg, &mut ar)?;
+        }
+        {
+            let f = self.func("gdn_gates")?;
+            let (ap, bp, alp, dbp, dta, dtb, betap, gp, t64, hv) = (
+                a.ptr(),
+                b.ptr(),
+                a_log.ptr(),
+                dt_bias.ptr(),
+                dtype_code(a_log.dtype),
+                dtype_code(dt_bias.dtype),
+                beta.ptr(),
+                g.ptr(),
+                s.tokens as u64,
+                s.v_heads as i32,
+            );
+            let mut ar = args![&ap, &bp, &alp, &dbp, &dta, &dtb, &betap, &gp, &t64, &hv];
+            self.launch("gdn_gates", f, grid1d(s.tokens * s.v_heads, 256), &mut ar)?;
+        }
+        {
+            let f = self.func("gdn_recurrent")?;
+            let (qnp, knp, vp, betap, gp, sp, op_, t64, hk, hv, kd, vd) = (
+                qn.ptr(),
+                kn.ptr(),
+                v.ptr(),
+                beta.ptr(),
+                g.ptr(),
+                state.ptr(),
+                out.ptr(),
+                s.tokens as u64,
+                s.k_heads as i32,
+                s.v_heads as i32,
+                s.k_dim as i32,
+                s.v_dim as i32,
+            );
+            let mut ar = args![&qnp, &knp, &vp, &betap, &gp, &sp, &op_, &t64, &hk, &hv, &kd, &vd];
+            let cfg = LaunchConfig {
+                grid_dim: (s.v_heads as u32, s.v_dim.div_ceil(32) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("gdn_recurrent", f, cfg, &mut ar)?;
+        }
+        Ok(out)
+    }
+}

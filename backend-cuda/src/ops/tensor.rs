@@ -1,0 +1,217 @@
+//! `TensorOps`: creation, transfer and layout ops.
+
+use super::same_len;
+use crate::launch::{args, dev, grid1d};
+use crate::{CudaBackend, CudaTensor};
+use cudarc::driver::result;
+use kvstream_memory_contracts::backend::DeviceTensor;
+use kvstream_memory_contracts::error::OpError;
+use kvstream_memory_contracts::ops::TensorOps;
+use kvstream_memory_contracts::transfer::DeviceMemory;
+use std::sync::Arc;
+
+impl CudaBackend {
+    /// dst[r, dst_col0 + c] = src[r, src_col0 + c].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_cols(
+        &self,
+        src: &CudaTensor,
+        src_stride: usize,
+        src_col0: usize,
+        dst: &CudaTensor,
+        dst_stride: usize,
+        dst_col0: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), OpError> {
+        let n = rows * cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func("copy_cols_f32")?;
+        let (s, d) = (src.ptr(), dst.ptr());
+        let (ss, sc, ds, dc, r, c) = (
+            src_stride as u64,
+            src_col0 as u64,
+            dst_stride as u64,
+            dst_col0 as u64,
+            rows as u64,
+            cols as u64,
+        );
+        let mut a = args![&s, &ss, &sc, &d, &ds, &dc, &r, &c];
+        self.launch("copy_cols", f, grid1d(n, 256), &mut a)
+    }
+
+    fn dtod(&self, dst: u64, src: u64, bytes: usize, op: &'static str) -> Result<(), OpError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        // SAFETY: callers pass ranges inside live allocations; ordered on the compute stream.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.compute.cu_stream()) }
+            .map_err(dev(op))
+    }
+}
+
+fn check_dims(op: &'static str, n: usize, dims: &[usize]) -> Result<(), OpError> {
+    let p: usize = dims.iter().product();
+    if p != n {
+        return Err(OpError::shape(
+            op,
+            format!("dims {dims:?} hold {p} elements, data has {n}"),
+        ));
+    }
+    Ok(())
+}
+
+impl TensorOps for CudaBackend {
+    fn tensor_from_f32(&self, data: &[f32], dims: &[usize]) -> Result<CudaTensor, OpError> {
+        check_dims("tensor_from_f32", data.len(), dims)?;
+        let alloc = self.upload(data, "tensor")?;
+        Ok(CudaTensor {
+            alloc,
+            dims: dims.to_vec(),
+        })
+    }
+
+    fn tensor_to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>, OpError> {
+        let mut out = vec![0f32; t.numel()];
+        self.ctx.bind_to_thread().map_err(dev("tensor_to_f32"))?;
+        self.compute.synchronize().map_err(dev("tensor_to_f32"))?;
+        if !out.is_empty() {
+            // SAFETY: the tensor holds numel f32 values; `out` outlives the synchronisation.
+            unsafe { result::memcpy_dtoh_async(&mut out, t.ptr(), self.compute.cu_stream()) }
+                .map_err(dev("tensor_to_f32"))?;
+            self.compute.synchronize().map_err(dev("tensor_to_f32"))?;
+        }
+        Ok(out)
+    }
+
+    fn zeros(&self, dims: &[usize]) -> Result<CudaTensor, OpError> {
+        let t = self.tensor_uninit(dims)?;
+        let n = t.numel();
+        if n > 0 {
+            self.ctx.bind_to_thread().map_err(dev("zeros"))?;
+            // SAFETY: the allocation holds n * 4 bytes; ordered on the compute stream.
+            unsafe { result::memset_d8_async(t.ptr(), 0, n * 4, self.compute.cu_stream()) }
+                .map_err(dev("zeros"))?;
+        }
+        Ok(t)
+    }
+
+    fn copy_tensor(&self, src: &CudaTensor) -> Result<CudaTensor, OpError> {
+        let t = self.tensor_uninit(&src.dims)?;
+        self.dtod(t.ptr(), src.ptr(), src.numel() * 4, "copy_tensor")?;
+        Ok(t)
+    }
+
+    fn copy_into(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<(), OpError> {
+        same_len("copy_into", dst, src)?;
+        self.dtod(dst.ptr(), src.ptr(), src.numel() * 4, "copy_into")
+    }
+
+    fn reshape(&self, t: CudaTensor, dims: &[usize]) -> Result<CudaTensor, OpError> {
+        check_dims("reshape", t.numel(), dims)?;
+        Ok(CudaTensor {
+            alloc: Arc::clone(&t.alloc),
+            dims: dims.to_vec(),
+        })
+    }
+
+    fn add(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor, OpError> {
+        same_len("add", a, b)?;
+        self.binary("add_f32", "add", a, b)
+    }
+
+    fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor, OpError> {
+        let (ca, cb) = (super::last_dim(a), super::last_dim(b));
+        let (ta, tb) = (a.numel() / ca.max(1), b.numel() / cb.max(1));
+        if ta != tb || a.numel() != ta * ca || b.numel() != tb * cb {
+            return Err(OpError::shape(
+                "concat_cols",
+                format!("row counts differ: {:?} vs {:?}", a.dims, b.dims),
+            ));
+        }
+        let out = self.tensor_uninit(&[ta, ca + cb])?;
+        self.copy_cols(a, ca, 0, &out, ca + cb, 0, ta, ca)?;
+        self.copy_cols(b, cb, 0, &out, ca + cb, ca, tb, cb)?;
+        Ok(out)
+    }
+
+    fn split_cols(
+        &self,
+        x: &CudaTensor,
+        groups: usize,
+        sizes: &[usize],
+    ) -> Result<Vec<CudaTensor>, OpError> {
+        let width: usize = sizes.iter().sum();
+        let c = super::last_dim(x);
+        if groups == 0 || width == 0 || c != groups * width || x.numel() % c != 0 {
+            return Err(OpError::shape(
+                "split_cols",
+                format!("{:?} is not [T, {groups} x {width}]", x.dims),
+            ));
+        }
+        let t = x.numel() / c;
+        let mut outs = Vec::with_capacity(sizes.len());
+        let mut col0 = 0;
+        for &s in sizes {
+            let out = self.tensor_uninit(&[t, groups * s])?;
+            self.copy_cols(x, width, col0, &out, s, 0, t * groups, s)?;
+            col0 += s;
+            outs.push(out);
+        }
+        Ok(outs)
+    }
+
+    fn rows(&self, x: &CudaTensor, first: usize, n: usize) -> Result<CudaTensor, OpError> {
+        let c = super::last_dim(x);
+        let t = x.numel().checked_div(c).unwrap_or(0);
+        if first.checked_add(n).is_none_or(|e| e > t) {
+            return Err(OpError::shape(
+                "rows",
+                format!(
+                    "rows [{first}, {}) of {:?}",
+                    first.saturating_add(n),
+                    x.dims
+                ),
+            ));
+        }
+        let out = self.tensor_uninit(&[n, c])?;
+        self.dtod(
+            out.ptr(),
+            x.ptr() + (first * c * 4) as u64,
+            n * c * 4,
+            "rows",
+        )?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// A two-input element-wise kernel `(a, b, y, n)`.
+    pub(crate) fn binary(
+        &self,
+        kernel: &'static str,
+        op: &'static str,
+        a: &CudaTensor,
+        b: &CudaTensor,
+    ) -> Result<CudaTensor, OpError> {
+        same_len(op, a, b)?;
+        let out = self.tensor_uninit(&a.dims)?;
+        let n = a.numel();
+        if n == 0 {
+            return Ok(out);
+        }
+        let f = self.func(kernel)?;
+        let (pa, pb, py, n64) = (a.ptr(), b.ptr(), out.ptr(), n as u64);
+        let mut args = args![&pa, &pb, &py, &n64];
+        self.launch(op, f, grid1d(n, 256), &mut args)?;
+        Ok(out)
+    }
+
+    /// Waits for the compute stream (tests and synchronous reads).
+    pub fn sync_compute(&self) -> Result<(), OpError> {
+        self.synchronize()
+    }
+}

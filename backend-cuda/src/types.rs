@@ -1,0 +1,201 @@
+//! Device-side value types of the CUDA backend: allocations, buffers (with views), tensors,
+//! weights, fences and host registrations.
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use kvstream_memory_contracts::backend::{
+    DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType,
+};
+use kvstream_memory_contracts::host::HostBytes;
+use std::sync::Arc;
+
+/// One device allocation. The raw pointer is taken once; every access goes through kernels or
+/// copies ordered by streams and fences (cudarc's own per-slice event tracking is disabled).
+#[derive(Debug)]
+pub struct DeviceAlloc {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceAlloc {
+    pub(crate) fn new(slice: CudaSlice<u8>, stream: &CudaStream, len: usize) -> Self {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        Self { slice, ptr, len }
+    }
+    /// Device address of byte 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Usable length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Bytes actually allocated (at least 4 so that empty tensors still have an address).
+    pub fn allocated(&self) -> usize {
+        self.slice.len()
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        // cudarc frees the slice (cuMemFreeAsync on its stream) right after this body; make sure
+        // the context is current on whichever thread drops the last reference.
+        let _ = self.slice.stream().context().bind_to_thread();
+    }
+}
+
+/// Raw device bytes: a whole allocation or a view `[offset, offset + len)` of one (the arena
+/// parent and its regions share one allocation).
+#[derive(Debug, Clone)]
+pub struct CudaBuffer {
+    pub(crate) alloc: Arc<DeviceAlloc>,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl CudaBuffer {
+    /// Device address of the view's byte 0.
+    pub fn ptr(&self) -> u64 {
+        self.alloc.ptr() + self.offset as u64
+    }
+    /// A view of `[offset, offset + len)` of this buffer, sharing its allocation; `None` if out
+    /// of range.
+    pub fn view(&self, offset: usize, len: usize) -> Option<CudaBuffer> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        Some(CudaBuffer {
+            alloc: Arc::clone(&self.alloc),
+            offset: self.offset + offset,
+            len,
+        })
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// An f32 activation tensor in its own device allocation, row-major.
+#[derive(Debug)]
+pub struct CudaTensor {
+    pub(crate) alloc: Arc<DeviceAlloc>,
+    pub(crate) dims: Vec<usize>,
+}
+
+impl CudaTensor {
+    /// Device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.alloc.ptr()
+    }
+}
+
+impl DeviceTensor for CudaTensor {
+    fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+}
+
+/// A weight in its stored dtype on the device.
+#[derive(Debug)]
+pub struct CudaWeight {
+    pub(crate) alloc: Arc<DeviceAlloc>,
+    pub(crate) dims: Vec<usize>,
+    pub(crate) dtype: WeightDType,
+    pub(crate) name: String,
+}
+
+impl CudaWeight {
+    /// Device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.alloc.ptr()
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+    /// The name it was loaded under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl DeviceWeight for CudaWeight {
+    fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+    fn dtype(&self) -> WeightDType {
+        self.dtype
+    }
+    fn device_bytes(&self) -> usize {
+        self.alloc.len()
+    }
+}
+
+/// Kernel code of a weight dtype (matches `common.cuh`).
+pub(crate) fn dtype_code(d: WeightDType) -> i32 {
+    match d {
+        WeightDType::F32 => 0,
+        WeightDType::F16 => 1,
+        WeightDType::Bf16 => 2,
+    }
+}
+
+/// A CUDA event recorded on the compute or copy stream (ready / consumed / producer fence).
+#[derive(Debug, Clone)]
+pub struct CudaFence {
+    pub(crate) event: Arc<CudaEvent>,
+}
+
+impl Fence for CudaFence {
+    fn is_complete(&self) -> bool {
+        self.event.is_complete()
+    }
+}
+
+/// RAII page-locking of a host allocation (`cuMemHostRegister` with flags 0 or PORTABLE: cached,
+/// NOT write-combined, so the CPU reads it at full speed). Dropping it unregisters; it keeps the
+/// allocation alive until then.
+#[derive(Debug)]
+pub struct CudaHostRegistration {
+    pub(crate) bytes: Arc<HostBytes>,
+    pub(crate) ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl CudaHostRegistration {
+    /// Bytes page-locked.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+impl Drop for CudaHostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            tracing::warn!("cannot bind CUDA context to unregister host memory");
+            return;
+        }
+        // SAFETY: the pointer was registered by `register_host` (which created this token) and
+        // `self.bytes` keeps the allocation alive until after this call.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemHostUnregister(self.bytes.as_ptr().cast::<std::ffi::c_void>())
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?r, "cuMemHostUnregister failed");
+        }
+    }
+}

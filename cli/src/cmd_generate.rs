@@ -1,0 +1,129 @@
+//! `kvstream generate`.
+
+use crate::args::{parse_token_list, EngineArgs};
+use crate::backend_select::{dispatch, OnBackend};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvstream_memory_contracts::ops::ModelBackend;
+use kvstream_runtime::chat::ChatMessage;
+use kvstream_runtime::engine::{Engine, Flow, GenerateRequest, Prompt};
+use kvstream_runtime::sampling::SamplingParams;
+use std::io::Write;
+
+/// Flags of `generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Prompt text (tokenized as is).
+    #[arg(long, short = 'p', group = "input")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, e.g. `1,2,3`.
+    #[arg(long, group = "input")]
+    pub prompt_tokens: Option<String>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long, group = "input")]
+    pub chat: Option<String>,
+    /// Tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 64)]
+    pub n_predict: usize,
+    /// Temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Top-p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Min-p (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Repeat penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Keep generating after EOS.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print the generated token ids and text as JSON instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the stats (JSON) to stderr at the end.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+impl GenerateArgs {
+    fn request(&self) -> Result<GenerateRequest> {
+        let prompt = match (&self.prompt, &self.prompt_tokens, &self.chat) {
+            (Some(p), None, None) => Prompt::Text(p.clone()),
+            (None, Some(t), None) => Prompt::Tokens(parse_token_list(t)?),
+            (None, None, Some(c)) => Prompt::Chat(vec![ChatMessage::new("user", c.clone())]),
+            _ => bail!("give exactly one of --prompt, --prompt-tokens, --chat"),
+        };
+        let mut req = GenerateRequest::new(prompt, self.n_predict);
+        req.stop_at_eos = !self.ignore_eos;
+        req.sampling = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+            repeat_penalty: self.repeat_penalty,
+            ..SamplingParams::default()
+        };
+        Ok(req)
+    }
+}
+
+struct Run(GenerateArgs);
+
+impl OnBackend for Run {
+    type Output = ();
+    fn run<B: ModelBackend>(self, backend: B) -> Result<()> {
+        let args = self.0;
+        let req = args.request()?;
+        let cfg = args.engine.engine_config()?;
+        let mut engine = Engine::load(backend, cfg).context("loading the engine")?;
+        let json = args.json;
+        let mut out = std::io::stdout();
+        let result = engine
+            .generate(&req, |ev| {
+                if !json {
+                    let _ = out.write_all(ev.text.as_bytes());
+                    let _ = out.flush();
+                }
+                Flow::Continue
+            })
+            .context("generation failed")?;
+        if json {
+            let v = serde_json::json!({
+                "prompt_tokens": result.prompt_tokens,
+                "tokens": result.tokens,
+                "text": result.text,
+                "stop": format!("{:?}", result.stop),
+                "stats": result.stats,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            println!();
+        }
+        if args.stats {
+            eprintln!("{}", result.stats.to_json());
+        }
+        if let Some(path) = &args.engine.stats_json {
+            std::fs::write(path, result.stats.to_json())
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `generate`.
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let (kind, dev) = (args.engine.backend, args.engine.device);
+    dispatch(kind, dev, Run(args))
+}

@@ -1,0 +1,124 @@
+// Shared helpers prepended to every kvstream kernel module (no CUDA headers needed: NVRTC only).
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef signed char i8;
+
+// Weight dtypes (kvstream WeightDType): 0 = f32, 1 = f16, 2 = bf16.
+#define WT_F32 0
+#define WT_F16 1
+#define WT_BF16 2
+// KV types (kvstream KvType): 0 = f32, 1 = f16, 2 = bf16, 3 = q8_0, 4 = q4_0.
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+#define KV_Q8_0 3
+#define KV_Q4_0 4
+#define QK 32
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// f32 → f16, round to nearest even, NaN kept quiet, overflow to inf (the `half` crate's rules).
+// Pure integer code: the inline-PTX cvt lost the low byte in the quantiser on sm_90 (seen on the
+// H200: the Q8_0 scale's low byte came out 0), so the encoder does not depend on it.
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 ex = (x >> 23) & 0xffu;
+    u32 man = x & 0x7fffffu;
+    if (ex == 0xffu) return (u16)(sign | 0x7c00u | (man ? (0x200u | (man >> 13)) : 0u));
+    int e = (int)ex - 127 + 15;
+    if (e >= 0x1f) return (u16)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return (u16)sign;
+        man |= 0x800000u;
+        int shift = 14 - e;
+        u32 hm = man >> shift;
+        u32 rem = man & ((1u << shift) - 1u);
+        u32 halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (hm & 1u))) hm++;
+        return (u16)(sign | hm);
+    }
+    u32 hm = man >> 13;
+    u32 rem = man & 0x1fffu;
+    u32 out = sign | ((u32)e << 10) | hm;
+    if (rem > 0x1000u || (rem == 0x1000u && (hm & 1u))) out++;
+    return (u16)out;
+}
+
+// Round to nearest even, NaN kept quiet (as the `half` crate does).
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((x >> 16) | 0x40u);
+    }
+    u32 r = ((x >> 16) & 1u) + 0x7fffu;
+    return (u16)((x + r) >> 16);
+}
+
+// Element i of a weight of dtype `dt`.
+__device__ __forceinline__ float load_w(const void* p, int dt, u64 i) {
+    if (dt == WT_BF16) return bf16_to_f32(((const u16*)p)[i]);
+    if (dt == WT_F16) return f16_to_f32(((const u16*)p)[i]);
+    return ((const float*)p)[i];
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024). `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; i++) t += scratch[i];
+    return t;
+}
+
+// Value of element `j` of a KV head stored in `ty` at `p` (the head's first byte).
+__device__ __forceinline__ float kv_load(const u8* p, int ty, int j) {
+    switch (ty) {
+    case KV_F16: return f16_to_f32(((const u16*)p)[j]);
+    case KV_BF16: return bf16_to_f32(((const u16*)p)[j]);
+    case KV_Q8_0: {
+        const u8* b = p + (j / QK) * (2 + QK);
+        float d = f16_to_f32((u16)(b[0] | ((u16)b[1] << 8)));
+        return (float)(i8)b[2 + (j % QK)] * d;
+    }
+    case KV_Q4_0: {
+        const u8* b = p + (j / QK) * (2 + QK / 2);
+        float d = f16_to_f32((u16)(b[0] | ((u16)b[1] << 8)));
+        int jj = j % QK;
+        u8 q = b[2 + (jj % (QK / 2))];
+        int v = jj < QK / 2 ? (q & 0x0f) : (q >> 4);
+        return ((float)v - 8.0f) * d;
+    }
+    default: {
+        const u8* e = p + 4 * j;
+        return __uint_as_float((u32)e[0] | ((u32)e[1] << 8) | ((u32)e[2] << 16) | ((u32)e[3] << 24));
+    }
+    }
+}

@@ -1,0 +1,65 @@
+// Element-wise ops, layout copies, embedding gather and greedy argmax.
+
+extern "C" __global__ void add_f32(const float* a, const float* b, float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        y[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        y[i] = silu_f(gate[i]) * up[i];
+}
+
+extern "C" __global__ void sigmoid_gate_f32(const float* x, const float* gate, float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        y[i] = x[i] * sigmoid_f(gate[i]);
+}
+
+// dst[r, dst_col0 + c] = src[r, src_col0 + c] for r < rows, c < cols.
+extern "C" __global__ void copy_cols_f32(const float* src, u64 src_stride, u64 src_col0, float* dst,
+                                         u64 dst_stride, u64 dst_col0, u64 rows, u64 cols) {
+    u64 n = rows * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / cols, c = i % cols;
+        dst[r * dst_stride + dst_col0 + c] = src[r * src_stride + src_col0 + c];
+    }
+}
+
+// out[i, :] = table[ids[i], :] as f32. One block row per id.
+extern "C" __global__ void embedding_gather(const void* table, int dt, const u32* ids, u64 n_ids,
+                                            u64 hidden, float* out) {
+    for (u64 i = blockIdx.y; i < n_ids; i += gridDim.y) {
+        u64 row = ids[i];
+        for (u64 h = blockIdx.x * (u64)blockDim.x + threadIdx.x; h < hidden; h += (u64)gridDim.x * blockDim.x)
+            out[i * hidden + h] = load_w(table, dt, row * hidden + h);
+    }
+}
+
+// Index of the largest value of each row (lowest index on ties; NaN never wins). One block per row.
+extern "C" __global__ void argmax_rows_f32(const float* x, u64 cols, u32* out) {
+    __shared__ float sv[32];
+    __shared__ u32 si[32];
+    const float* row = x + blockIdx.x * cols;
+    float best = NEG_INF;
+    u32 bi = 0xffffffffu;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best || (bi == 0xffffffffu && !(v != v))) { best = v; bi = (u32)c; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > best || (ov == best && oi < bi))) { best = ov; bi = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+            float ov = sv[w];
+            u32 oi = si[w];
+            if (oi != 0xffffffffu && (bi == 0xffffffffu || ov > best || (ov == best && oi < bi))) { best = ov; bi = oi; }
+        }
+        out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    }
+}

@@ -1,0 +1,335 @@
+//! Decoder-layer weights and their forward passes (qwen-spec §3): zero-centred norms, SwiGLU MLP,
+//! gated full attention and Gated DeltaNet, written against the backend-neutral ops.
+
+use crate::attention_kv::{AttentionKv, AttentionPhase};
+use crate::config::{GateActivation, QwenConfig};
+use crate::error::ModelError;
+use crate::state::GdnState;
+use crate::synthetic::TensorSource;
+use kvstream_memory_contracts::backend::DeviceWeight;
+use kvstream_memory_contracts::ops::{DeltaMode, DeltaShape, ModelBackend, Position3};
+
+/// Loads tensors into backend weights and counts their bytes.
+pub(crate) struct Loader<'a, B: ModelBackend> {
+    pub b: &'a B,
+    pub ck: &'a dyn TensorSource,
+    pub bytes: usize,
+}
+
+impl<B: ModelBackend> Loader<'_, B> {
+    pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Weight, ModelError> {
+        let t = self.ck.get(name, shape)?;
+        let w = self.b.load_weight(name, t.dtype, &t.shape, t.data)?;
+        self.bytes += w.device_bytes();
+        Ok(w)
+    }
+}
+
+/// SwiGLU MLP.
+pub(crate) struct Mlp<B: ModelBackend> {
+    gate: B::Weight,
+    up: B::Weight,
+    down: B::Weight,
+}
+
+impl<B: ModelBackend> Mlp<B> {
+    fn load(l: &mut Loader<'_, B>, p: &str, c: &QwenConfig) -> Result<Self, ModelError> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Ok(Self {
+            gate: l.get(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
+            up: l.get(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
+            down: l.get(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
+        })
+    }
+
+    fn forward(&self, b: &B, u: &B::Tensor) -> Result<B::Tensor, ModelError> {
+        let g = b.matmul(u, &self.gate)?;
+        let up = b.matmul(u, &self.up)?;
+        let a = b.swiglu(&g, &up)?;
+        Ok(b.matmul(&a, &self.down)?)
+    }
+}
+
+/// Gated full attention (qwen-spec §3.4).
+pub(crate) struct Attention<B: ModelBackend> {
+    q_proj: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_norm: B::Weight,
+    k_norm: B::Weight,
+}
+
+impl<B: ModelBackend> Attention<B> {
+    fn load(l: &mut Loader<'_, B>, p: &str, c: &QwenConfig) -> Result<Self, ModelError> {
+        let (h, nh, nkv, d) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        Ok(Self {
+            q_proj: l.get(&format!("{p}self_attn.q_proj.weight"), &[nh * d * 2, h])?,
+            k_proj: l.get(&format!("{p}self_attn.k_proj.weight"), &[nkv * d, h])?,
+            v_proj: l.get(&format!("{p}self_attn.v_proj.weight"), &[nkv * d, h])?,
+            o_proj: l.get(&format!("{p}self_attn.o_proj.weight"), &[h, nh * d])?,
+            q_norm: l.get(&format!("{p}self_attn.q_norm.weight"), &[d])?,
+            k_norm: l.get(&format!("{p}self_attn.k_norm.weight"), &[d])?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward<K: AttentionKv<B>>(
+        &self,
+        b: &B,
+        c: &QwenConfig,
+        u: &B::Tensor,
+        positions: &[Position3],
+        attn_layer: usize,
+        phase: AttentionPhase,
+        kv: &mut K,
+    ) -> Result<B::Tensor, ModelError> {
+        let (nh, nkv, d, t) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            positions.len(),
+        );
+        let qg = b.matmul(u, &self.q_proj)?;
+        let mut parts = b.split_cols(&qg, nh, &[d, d])?.into_iter();
+        let (q, gate) = match (parts.next(), parts.next()) {
+            (Some(q), Some(g)) => (q, g),
+            _ => return Err(ModelError::Input("q_proj split".into())),
+        };
+        let k = b.matmul(u, &self.k_proj)?;
+        let v = b.matmul(u, &self.v_proj)?;
+        let q = b.rms_norm(&q, &self.q_norm, c.rms_norm_eps, 1.0)?;
+        let k = b.rms_norm(&k, &self.k_norm, c.rms_norm_eps, 1.0)?;
+        let q = b.reshape(q, &[t, nh, d])?;
+        let k = b.reshape(k, &[t, nkv, d])?;
+        let q = b.reshape(b.rope(&q, nh, d, positions, &c.rope)?, &[t, nh * d])?;
+        let k = b.reshape(b.rope(&k, nkv, d, positions, &c.rope)?, &[t, nkv * d])?;
+        let o = kv
+            .append_and_attend(b, attn_layer, phase, &q, &k, &v)
+            .map_err(|e| ModelError::Kv(Box::new(e)))?;
+        let o = b.sigmoid_gate(&o, &gate)?;
+        Ok(b.matmul(&o, &self.o_proj)?)
+    }
+}
+
+/// Gated DeltaNet (qwen-spec §3.6).
+pub(crate) struct Gdn<B: ModelBackend> {
+    in_proj_qkv: B::Weight,
+    in_proj_z: B::Weight,
+    in_proj_b: B::Weight,
+    in_proj_a: B::Weight,
+    conv1d: B::Weight,
+    dt_bias: B::Weight,
+    a_log: B::Weight,
+    norm: B::Weight,
+    out_proj: B::Weight,
+}
+
+/// How a GDN layer evaluates its tokens.
+pub(crate) enum GdnRun<'a, B: ModelBackend> {
+    /// All tokens in one call with this mode.
+    Whole(DeltaMode),
+    /// Token by token (recurrent); after token i the layer's state is copied into `cps[i]`.
+    Checkpointed {
+        gdn_index: usize,
+        cps: &'a mut [crate::state::RecurrentState<B>],
+    },
+}
+
+impl<B: ModelBackend> Gdn<B> {
+    fn load(l: &mut Loader<'_, B>, p: &str, c: &QwenConfig) -> Result<Self, ModelError> {
+        let h = c.hidden_size;
+        let hv = c.linear_num_value_heads;
+        let vd = hv * c.linear_value_head_dim;
+        let p = format!("{p}linear_attn.");
+        Ok(Self {
+            in_proj_qkv: l.get(&format!("{p}in_proj_qkv.weight"), &[c.linear_conv_dim(), h])?,
+            in_proj_z: l.get(&format!("{p}in_proj_z.weight"), &[vd, h])?,
+            in_proj_b: l.get(&format!("{p}in_proj_b.weight"), &[hv, h])?,
+            in_proj_a: l.get(&format!("{p}in_proj_a.weight"), &[hv, h])?,
+            conv1d: l.get(
+                &format!("{p}conv1d.weight"),
+                &[c.linear_conv_dim(), 1, c.linear_conv_kernel_dim],
+            )?,
+            dt_bias: l.get(&format!("{p}dt_bias"), &[hv])?,
+            a_log: l.get(&format!("{p}A_log"), &[hv])?,
+            norm: l.get(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?,
+            out_proj: l.get(&format!("{p}out_proj.weight"), &[h, vd])?,
+        })
+    }
+
+    fn forward(
+        &self,
+        b: &B,
+        c: &QwenConfig,
+        u: &B::Tensor,
+        t: usize,
+        state: &mut GdnState<B>,
+        run: GdnRun<'_, B>,
+    ) -> Result<B::Tensor, ModelError> {
+        let (hk, hv, dk, dv) = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        );
+        let m = b.matmul(u, &self.in_proj_qkv)?;
+        let z = b.matmul(u, &self.in_proj_z)?;
+        let bb = b.matmul(u, &self.in_proj_b)?;
+        let a = b.matmul(u, &self.in_proj_a)?;
+        let step = |m: &B::Tensor,
+                    a: &B::Tensor,
+                    bb: &B::Tensor,
+                    tokens: usize,
+                    mode: DeltaMode,
+                    state: &mut GdnState<B>|
+         -> Result<B::Tensor, ModelError> {
+            let cv = b.causal_conv1d(m, &self.conv1d, &mut state.conv)?;
+            let parts = b.split_cols(&cv, 1, &[hk * dk, hk * dk, hv * dv])?;
+            let [q, k, v] = &parts[..] else {
+                return Err(ModelError::Input("conv split".into()));
+            };
+            let shape = DeltaShape {
+                tokens,
+                k_heads: hk,
+                v_heads: hv,
+                k_dim: dk,
+                v_dim: dv,
+            };
+            Ok(b.gated_delta_rule(
+                &shape,
+                q,
+                k,
+                v,
+                a,
+                bb,
+                &self.a_log,
+                &self.dt_bias,
+                &mut state.ssm,
+                mode,
+            )?)
+        };
+        let o = match run {
+            GdnRun::Whole(mode) => step(&m, &a, &bb, t, mode, state)?,
+            GdnRun::Checkpointed { gdn_index, cps } => {
+                let mut outs = Vec::with_capacity(t);
+                for (i, cp) in cps.iter_mut().enumerate().take(t) {
+                    let o = step(
+                        &b.rows(&m, i, 1)?,
+                        &b.rows(&a, i, 1)?,
+                        &b.rows(&bb, i, 1)?,
+                        1,
+                        DeltaMode::Recurrent,
+                        state,
+                    )?;
+                    let dst = cp
+                        .layers
+                        .get_mut(gdn_index)
+                        .ok_or_else(|| ModelError::Input("checkpoint layer".into()))?;
+                    b.copy_into(&mut dst.conv, &state.conv)?;
+                    b.copy_into(&mut dst.ssm, &state.ssm)?;
+                    outs.push(b.reshape(o, &[1, hv * dv])?);
+                }
+                // Row-major [t, C] is [1, t·C]: stack rows with concat_cols, then reshape.
+                let mut it = outs.into_iter();
+                let mut acc = it
+                    .next()
+                    .ok_or_else(|| ModelError::Input("no tokens".into()))?;
+                for o in it {
+                    acc = b.concat_cols(&acc, &o)?;
+                }
+                b.reshape(acc, &[t, hv * dv])?
+            }
+        };
+        let o = b.reshape(o, &[t * hv, dv])?;
+        let z = b.reshape(z, &[t * hv, dv])?;
+        let y = match c.output_gate_type {
+            GateActivation::Silu => b.gated_rms_norm(&o, &z, &self.norm, c.rms_norm_eps)?,
+            GateActivation::Sigmoid => {
+                let n = b.rms_norm(&o, &self.norm, c.rms_norm_eps, 0.0)?;
+                b.sigmoid_gate(&n, &z)?
+            }
+        };
+        let y = b.reshape(y, &[t, hv * dv])?;
+        Ok(b.matmul(&y, &self.out_proj)?)
+    }
+}
+
+/// A decoder layer's mixer.
+pub(crate) enum Mixer<B: ModelBackend> {
+    /// GDN layer with its index among GDN layers.
+    Gdn(Gdn<B>, usize),
+    /// Attention layer with its index among attention layers.
+    Attn(Attention<B>, usize),
+}
+
+/// One pre-norm decoder layer.
+pub(crate) struct Layer<B: ModelBackend> {
+    input_norm: B::Weight,
+    post_norm: B::Weight,
+    pub mixer: Mixer<B>,
+    mlp: Mlp<B>,
+}
+
+impl<B: ModelBackend> Layer<B> {
+    /// Loads layer weights under prefix `p` (ending in `.`).
+    pub fn load(
+        l: &mut Loader<'_, B>,
+        p: &str,
+        c: &QwenConfig,
+        full: bool,
+        index: usize,
+    ) -> Result<Self, ModelError> {
+        let h = c.hidden_size;
+        Ok(Self {
+            input_norm: l.get(&format!("{p}input_layernorm.weight"), &[h])?,
+            post_norm: l.get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+            mixer: if full {
+                Mixer::Attn(Attention::load(l, p, c)?, index)
+            } else {
+                Mixer::Gdn(Gdn::load(l, p, c)?, index)
+            },
+            mlp: Mlp::load(l, p, c)?,
+        })
+    }
+
+    /// `h = x + Mixer(norm(x)); x = h + MLP(norm(h))`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<K: AttentionKv<B>>(
+        &self,
+        b: &B,
+        c: &QwenConfig,
+        x: &B::Tensor,
+        positions: &[Position3],
+        phase: AttentionPhase,
+        gdn_states: &mut [GdnState<B>],
+        kv: &mut K,
+        run: Option<GdnRun<'_, B>>,
+    ) -> Result<B::Tensor, ModelError> {
+        let u = b.rms_norm(x, &self.input_norm, c.rms_norm_eps, 1.0)?;
+        let m = match &self.mixer {
+            Mixer::Attn(a, idx) => {
+                let _s = tracing::debug_span!("attention_layer", layer = idx).entered();
+                a.forward(b, c, &u, positions, *idx, phase, kv)?
+            }
+            Mixer::Gdn(g, idx) => {
+                let _s = tracing::debug_span!("gdn_layer", layer = idx).entered();
+                let state = gdn_states.get_mut(*idx).ok_or_else(|| {
+                    ModelError::Input(format!("no recurrent state for GDN layer {idx}"))
+                })?;
+                let run = run.ok_or_else(|| ModelError::Input("GDN run mode missing".into()))?;
+                g.forward(b, c, &u, positions.len(), state, run)?
+            }
+        };
+        let h = b.add(x, &m)?;
+        let _s = tracing::debug_span!("mlp").entered();
+        let u = b.rms_norm(&h, &self.post_norm, c.rms_norm_eps, 1.0)?;
+        let f = self.mlp.forward(b, &u)?;
+        Ok(b.add(&h, &f)?)
+    }
+}

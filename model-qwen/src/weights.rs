@@ -1,0 +1,299 @@
+//! Memory-mapped safetensors checkpoints: one `model.safetensors`, or shards listed by
+//! `model.safetensors.index.json`. Tensors stay in their stored dtype (F32, F16, BF16) and are
+//! referenced in place through [`WeightData`] (an `Arc` of the mmap), never copied here.
+
+use crate::error::ModelError;
+use kvstream_memory_contracts::backend::WeightDType;
+use kvstream_memory_contracts::ops::WeightData;
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where one tensor lives.
+#[derive(Debug, Clone)]
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// A tensor found in the checkpoint: dtype, shape and its bytes (zero copy).
+#[derive(Debug, Clone)]
+pub struct TensorRef {
+    pub dtype: WeightDType,
+    pub shape: Vec<usize>,
+    pub data: WeightData,
+}
+
+/// Every tensor of a checkpoint directory, memory-mapped.
+pub struct Checkpoint {
+    dir: PathBuf,
+    maps: Vec<Arc<Mmap>>,
+    entries: HashMap<String, Entry>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("files", &self.maps.len())
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
+}
+
+fn map_file(path: &Path) -> Result<Mmap, ModelError> {
+    let file = File::open(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the checkpoint file is opened read-only and must not be modified while mapped
+    // (the usual contract of every safetensors loader); we never write through the map.
+    unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors.index.json` (sharded) or else `dir/model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+                path: index.clone(),
+                source,
+            })?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                    path: index.clone(),
+                    source,
+                })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    ModelError::config(&index, "weight_map", "missing or not an object")
+                })?;
+            let mut names: Vec<String> = Vec::new();
+            for (tensor, f) in map {
+                let f = f.as_str().ok_or_else(|| {
+                    ModelError::config(
+                        &index,
+                        format!("weight_map.{tensor}"),
+                        "expected a file name",
+                    )
+                })?;
+                if !names.iter().any(|n| n == f) {
+                    names.push(f.to_string());
+                }
+            }
+            names.sort();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else {
+            vec![dir.join("model.safetensors")]
+        };
+        let mut maps = Vec::new();
+        let mut entries = HashMap::new();
+        for (fi, path) in files.iter().enumerate() {
+            let map = map_file(path)?;
+            let bad = |detail: String| ModelError::Safetensors {
+                path: path.clone(),
+                detail,
+            };
+            let (header, meta) =
+                SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
+            let base = 8 + header;
+            for (name, info) in meta.tensors() {
+                if name.starts_with("model.visual.") {
+                    continue;
+                }
+                let (s, e) = info.data_offsets;
+                if s > e || base + e > map.len() {
+                    return Err(bad(format!("tensor `{name}` data range outside the file")));
+                }
+                entries.insert(
+                    name,
+                    Entry {
+                        file: fi,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        offset: base + s,
+                        len: e - s,
+                    },
+                );
+            }
+            maps.push(Arc::new(map));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            maps,
+            entries,
+        })
+    }
+
+    /// True when the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Number of (non-vision) tensors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when there are no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The tensor `name`, which must have shape `expected` and a float dtype.
+    pub fn get(&self, name: &str, expected: &[usize]) -> Result<TensorRef, ModelError> {
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                dir: self.dir.clone(),
+            })?;
+        if e.shape != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                got: e.shape.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        let dtype = match e.dtype {
+            Dtype::F32 => WeightDType::F32,
+            Dtype::F16 => WeightDType::F16,
+            Dtype::BF16 => WeightDType::Bf16,
+            other => {
+                return Err(ModelError::TensorDType {
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let numel: usize = e.shape.iter().product();
+        if numel * dtype.size() != e.len {
+            return Err(ModelError::Safetensors {
+                path: self.dir.clone(),
+                detail: format!("tensor `{name}`: {} bytes for shape {:?}", e.len, e.shape),
+            });
+        }
+        let source: Arc<dyn AsRef<[u8]> + Send + Sync> = self.maps[e.file].clone();
+        Ok(TensorRef {
+            dtype,
+            shape: e.shape.clone(),
+            data: WeightData {
+                source,
+                offset: e.offset,
+                len: e.len,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_st(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.to_string(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view"),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).expect("write");
+    }
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvq-weights-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        d
+    }
+
+    #[test]
+    fn sharded_index_maps_names_to_files_and_errors_name_tensors() {
+        let d = tmpdir("shard");
+        let a: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let b: Vec<u8> = [0x3f80u16, 0x4000, 0xc040]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        write_st(
+            &d.join("s1.safetensors"),
+            &[("x.weight", Dtype::F32, vec![2], a)],
+        );
+        write_st(
+            &d.join("s2.safetensors"),
+            &[
+                ("y.weight", Dtype::BF16, vec![1, 3], b),
+                ("model.visual.z", Dtype::F32, vec![1], vec![0; 4]),
+                ("i.weight", Dtype::I32, vec![1], vec![0; 4]),
+            ],
+        );
+        std::fs::write(
+            d.join("model.safetensors.index.json"),
+            r#"{"metadata": {}, "weight_map": {"x.weight": "s1.safetensors", "y.weight": "s2.safetensors", "i.weight": "s2.safetensors"}}"#,
+        )
+        .expect("index");
+        let c = Checkpoint::open(&d).expect("open");
+        assert!(!c.contains("model.visual.z"));
+        let x = c.get("x.weight", &[2]).expect("x");
+        assert_eq!(x.dtype, WeightDType::F32);
+        assert_eq!(
+            x.data.bytes(),
+            &[1.5f32, -2.0]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>()[..]
+        );
+        let y = c.get("y.weight", &[1, 3]).expect("y");
+        assert_eq!(y.dtype, WeightDType::Bf16);
+        assert_eq!(y.data.bytes()[2..4], [0x00, 0x40]);
+        let e = c
+            .get("y.weight", &[3])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("y.weight") && e.contains("[3]"), "{e}");
+        let e = c
+            .get("nope", &[4, 5])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("nope") && e.contains("[4, 5]"), "{e}");
+        assert!(matches!(
+            c.get("i.weight", &[1]),
+            Err(ModelError::TensorDType { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn missing_and_corrupt_files_are_typed_errors() {
+        let d = tmpdir("bad");
+        assert!(matches!(Checkpoint::open(&d), Err(ModelError::Io { .. })));
+        std::fs::write(d.join("model.safetensors"), b"garbage!garbage").expect("write");
+        assert!(matches!(
+            Checkpoint::open(&d),
+            Err(ModelError::Safetensors { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
