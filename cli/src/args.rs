@@ -50,6 +50,12 @@ pub struct EngineArgs {
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// Speculative decoding: `draft-mtp` uses the model's MTP (NextN) head.
+    #[arg(long, value_parser = ["none", "draft-mtp"], default_value = "none")]
+    pub spec_type: String,
+    /// Drafts per verification with --spec-type draft-mtp (1..=4).
+    #[arg(long, default_value_t = 3)]
+    pub spec_draft_n_max: usize,
     /// Cap the KV pool at this many pages (forces streaming; for sweeps and demos).
     #[arg(long)]
     pub kv_max_pool_pages: Option<usize>,
@@ -95,6 +101,11 @@ impl EngineArgs {
         }
         cfg.prefill_chunk = self.prefill_chunk;
         cfg.max_pool_pages = self.kv_max_pool_pages;
+        if self.spec_type == "draft-mtp" {
+            cfg.spec = Some(kvstream_runtime::speculative::SpecConfig {
+                draft_n_max: self.spec_draft_n_max,
+            });
+        }
         Ok(cfg)
     }
 }

@@ -121,6 +121,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
         kv_page_tokens: args.kv_page_tokens,
         prefill_chunk: 256,
         kv_max_pool_pages: None,
+        spec_type: "none".into(),
+        spec_draft_n_max: 3,
         stats_json: None,
     };
     dispatch(args.backend, args.device, Plan(engine))

@@ -39,17 +39,26 @@ impl OnBackend for Run {
         if tokens.is_empty() {
             bail!("--tokens is empty");
         }
-        let cfg = args.engine.engine_config()?;
+        let mut cfg = args.engine.engine_config()?;
+        if args.mtp && cfg.spec.is_none() {
+            // Loading the MTP head is what speculative decoding does; one draft is enough.
+            cfg.spec = Some(kvstream_runtime::speculative::SpecConfig { draft_n_max: 1 });
+        }
         let mut engine = Engine::load(backend, cfg).context("loading the engine")?;
         let vocab = engine.model_config().vocab_size;
         let logits = engine.logits(&tokens).context("forward failed")?;
-        let blobs = [(
+        let mut blobs = vec![(
             "logits".to_string(),
             vec![tokens.len(), vocab],
             f32_bytes(&logits),
         )];
         if args.mtp {
-            bail!("--mtp: MTP logits are not wired into the engine yet");
+            let m = engine.mtp_logits(&tokens).context("MTP forward failed")?;
+            blobs.push((
+                "mtp_logits".to_string(),
+                vec![tokens.len() - 1, vocab],
+                f32_bytes(&m),
+            ));
         }
         let views = blobs
             .iter()

@@ -76,6 +76,7 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
     ) -> Result<Outcome, String> {
         let mut req = GenerateRequest::new(Prompt::Tokens(prompt.to_vec()), params.max_tokens);
         req.stop_at_eos = !params.ignore_eos;
+        req.reuse_prefix = true;
         req.sampling = SamplingParams {
             temperature: params.temperature,
             top_k: params.top_k,
@@ -102,7 +103,7 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
         self.completion_tokens += r.tokens.len() as u64;
         Ok(Outcome {
             completion_tokens: r.tokens,
-            cached_tokens: 0,
+            cached_tokens: r.cached_tokens,
             hit_eos: r.stop == StopReason::Eos,
         })
     }

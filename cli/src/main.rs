@@ -2,6 +2,7 @@
 
 mod args;
 mod backend_select;
+mod bench;
 mod cmd_generate;
 mod cmd_inspect;
 mod cmd_logits;
@@ -34,6 +35,8 @@ enum Command {
     Inspect(cmd_inspect::InspectArgs),
     /// OpenAI-compatible HTTP server.
     Serve(cmd_serve::ServeArgs),
+    /// Benchmark sweep: contexts × MTP draft counts × KV arena sizes, with a roofline.
+    Bench(bench::BenchArgs),
     /// Write a random-weight checkpoint with a real model geometry (HF naming, safetensors).
     Synth {
         /// Geometry preset: qwen3.8-27b, small-0.5b, tiny.
@@ -77,6 +80,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => cmd_logits::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Serve(a) => cmd_serve::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Synth {
             geometry,
             out,

@@ -101,6 +101,12 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Stop at the model's EOS ids (default true).
     pub stop_at_eos: bool,
+    /// Prompt cache: when the prompt extends the engine's current session (e.g. the next turn
+    /// of a conversation), reuse the host KV history and a recurrent-state checkpoint at the
+    /// shared prefix instead of re-prefilling it (see [`crate::prompt_cache`]). Also keeps a
+    /// checkpoint at the end of this prompt for the next request. Default false.
+    #[serde(default)]
+    pub reuse_prefix: bool,
 }
 
 impl GenerateRequest {
@@ -111,6 +117,7 @@ impl GenerateRequest {
             n_predict,
             sampling: SamplingParams::default(),
             stop_at_eos: true,
+            reuse_prefix: false,
         }
     }
 }
@@ -158,6 +165,10 @@ pub struct GenerateResult {
     pub text: String,
     /// Why it stopped.
     pub stop: StopReason,
+    /// Prompt tokens taken from the prompt cache instead of being prefilled (0 without
+    /// [`GenerateRequest::reuse_prefix`] or without a shared prefix).
+    #[serde(default)]
+    pub cached_tokens: usize,
     /// Stats of this call.
     pub stats: EngineStats,
 }
@@ -182,6 +193,10 @@ pub struct Engine<B: ModelBackend> {
     pub(crate) spec_stats: SpecStats,
     /// With MTP: peak device bytes of the recurrent checkpoint stage.
     pub(crate) checkpoint_stage_peak: u64,
+    /// Tokens the target has processed in this session (always `kv.committed_tokens()` long).
+    pub(crate) session_tokens: Vec<u32>,
+    /// Prompt cache: the recurrent state at the end of the last prompt prefill.
+    pub(crate) prompt_cp: Option<crate::prompt_cache::PromptCheckpoint<B>>,
 }
 
 /// What one target forward leaves: the final-norm hidden rows and the requested logits rows.
@@ -429,6 +444,8 @@ impl<B: ModelBackend> Engine<B> {
             mtp_tail: None,
             spec_stats: SpecStats::default(),
             checkpoint_stage_peak: 0,
+            session_tokens: Vec::new(),
+            prompt_cp: None,
         })
     }
 
@@ -471,6 +488,8 @@ impl<B: ModelBackend> Engine<B> {
         self.state = self.model.new_recurrent_state(&self.backend)?;
         self.session_ok = true;
         self.mtp_tail = None;
+        self.session_tokens.clear();
+        self.prompt_cp = None;
         Ok(())
     }
 
@@ -616,6 +635,7 @@ impl<B: ModelBackend> Engine<B> {
             self.session_ok = checkpoint.is_some();
             return Err(e);
         }
+        self.session_tokens.extend_from_slice(tokens);
         let logits = out
             .logits
             .map(|l| self.backend.tensor_to_f32(&l).map_err(RuntimeError::from))
@@ -629,10 +649,28 @@ impl<B: ModelBackend> Engine<B> {
     /// Prefills `tokens` into a fresh session in chunks; returns the logits rows requested.
     fn prefill(&mut self, tokens: &[u32], all_rows: bool) -> Result<Vec<f32>> {
         self.reset()?;
+        self.prefill_from(tokens, 0, all_rows)
+    }
+
+    /// Prefills `tokens[start..]` after a session that already holds `tokens[..start]`.
+    pub(crate) fn prefill_from(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        all_rows: bool,
+    ) -> Result<Vec<f32>> {
+        if self.kv.committed_tokens() != start || start >= tokens.len() {
+            return Err(RuntimeError::Protocol(format!(
+                "prefill from {start} of {} tokens over a session of {}",
+                tokens.len(),
+                self.kv.committed_tokens()
+            )));
+        }
         self.kv.set_planned_tokens(tokens.len());
         self.kv.set_phase(&self.backend, Phase::Prefill)?;
         let chunk = self.cfg.prefill_chunk.max(1);
         let mut out = Vec::new();
+        let tokens = &tokens[start..];
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, c) in tokens.chunks(chunk).enumerate() {
             let _span = tracing::debug_span!("prefill_chunk", i, len = c.len()).entered();
@@ -695,12 +733,16 @@ impl<B: ModelBackend> Engine<B> {
             stop_at_eos: req.stop_at_eos,
         };
         if req.n_predict == 0 {
-            return Ok(self.result(prompt, em.generated, em.text, StopReason::Length));
+            return Ok(self.result(prompt, em.generated, em.text, StopReason::Length, 0));
         }
 
         let t = Instant::now();
-        let last = self.prefill(&prompt, false)?;
-        self.stats.prefill_tokens = prompt.len() as u64;
+        let (cached, last) = if req.reuse_prefix {
+            self.prefill_cached(&prompt)?
+        } else {
+            (0, self.prefill(&prompt, false)?)
+        };
+        self.stats.prefill_tokens = (prompt.len() - cached) as u64;
         self.stats.prefill_seconds = t.elapsed().as_secs_f64();
         let h2d_after_prefill = {
             let s = self.kv.stats();
@@ -727,7 +769,7 @@ impl<B: ModelBackend> Engine<B> {
         if let Some(c) = &self.codec {
             text = c.decode(&em.generated, true)?;
         }
-        Ok(self.result(prompt, em.generated, text, stop))
+        Ok(self.result(prompt, em.generated, text, stop, cached))
     }
 
     /// The non-speculative decode loop: one token per step.
@@ -763,12 +805,14 @@ impl<B: ModelBackend> Engine<B> {
         tokens: Vec<u32>,
         text: String,
         stop: StopReason,
+        cached_tokens: usize,
     ) -> GenerateResult {
         GenerateResult {
             prompt_tokens: prompt,
             tokens,
             text,
             stop,
+            cached_tokens,
             stats: self.stats(),
         }
     }

@@ -24,6 +24,7 @@
 //!     n_predict: 64,
 //!     sampling: SamplingParams { temperature: 0.7, top_p: 0.9, seed: 1, ..Default::default() },
 //!     stop_at_eos: true,
+//!     reuse_prefix: false,
 //! };
 //! let out = engine.generate(&req, |ev| {
 //!     print!("{}", ev.text);
@@ -64,6 +65,10 @@
 //! cycle (catch-up → draft → verify → accept → exact rollback) and [`speculative`] for the
 //! acceptance rules. [`Engine::mtp_logits`] gives the MTP head's logits through the streaming
 //! path; [`EngineStats::spec`] reports drafted/accepted tokens and the extra device memory.
+//!
+//! Prompt cache: [`GenerateRequest::reuse_prefix`] reuses the session's host KV history and a
+//! recurrent-state checkpoint at the shared prefix ([`prompt_cache`]);
+//! [`GenerateResult::cached_tokens`] reports how many prompt tokens were not prefilled.
 
 pub mod chat;
 pub mod engine;
@@ -73,6 +78,7 @@ pub mod phase;
 pub mod placement;
 pub mod policy;
 pub mod prefetch;
+pub mod prompt_cache;
 pub mod sampling;
 pub mod size;
 pub mod speculative;

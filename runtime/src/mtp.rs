@@ -342,6 +342,7 @@ impl<B: ModelBackend> Engine<B> {
         let mtp_layer = self.kv.target_layers();
         self.kv.truncate(&self.backend, n + a + 1)?;
         self.kv.truncate_layer(&self.backend, mtp_layer, n)?;
+        self.session_tokens.truncate(n + a + 1);
         let cp = cps
             .get(a)
             .ok_or_else(|| RuntimeError::Protocol("missing recurrent checkpoint".into()))?;
@@ -447,9 +448,11 @@ mod tests {
     use std::path::PathBuf;
 
     fn fixture(name: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures")
-            .join(name)
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        match name.strip_prefix("models/") {
+            Some(model) => root.join("models").join(model),
+            None => root.join("fixtures").join(name),
+        }
     }
 
     /// One resident page per layer + a 3-slot ring: most pages stream.
@@ -512,7 +515,12 @@ mod tests {
     /// the plain greedy sequence.
     #[test]
     fn rejection_at_every_draft_position_restores_state_and_kv_exactly() {
-        for name in ["tiny-gqa-f32", "tiny-mha-tied-bf16", "tiny-bare-text"] {
+        for name in [
+            "tiny-gqa-f32",
+            "tiny-mha-tied-bf16",
+            "tiny-bare-text",
+            "models/kvstream-demo-tiny",
+        ] {
             let mut plain = Engine::load(CpuBackend::new(), tiny(name, None)).expect("plain");
             let vocab = plain.config.vocab_size();
             let p = prompt(vocab, 13, name.len() as u64);

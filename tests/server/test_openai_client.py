@@ -89,12 +89,6 @@ def main():
         check("chat streaming finish + usage", finish is not None and usage is not None
               and usage.completion_tokens == r.usage.completion_tokens)
 
-        c = client.completions.create(model="x", prompt="Once upon a time", max_tokens=8, temperature=0)
-        check("completion non-streaming", isinstance(c.choices[0].text, str) and c.usage.completion_tokens > 0)
-        text = "".join(ch.choices[0].text for ch in client.completions.create(
-            model="x", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if ch.choices)
-        check("completion streaming equals non-streaming", text == c.choices[0].text, repr((text, c.choices[0].text)))
-
         # Follow-up turn: cached prompt tokens, same tokens as a fresh request.
         follow = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                          {"role": "user", "content": "And then?"}]
@@ -108,6 +102,12 @@ def main():
         f2 = client.chat.completions.create(model="x", messages=follow, max_tokens=10, temperature=0)
         check("cached follow-up equals a fresh request", f1.choices[0].message.content == f2.choices[0].message.content,
               repr((f1.choices[0].message.content, f2.choices[0].message.content)))
+
+        c = client.completions.create(model="x", prompt="Once upon a time", max_tokens=8, temperature=0)
+        check("completion non-streaming", isinstance(c.choices[0].text, str) and c.usage.completion_tokens > 0)
+        text = "".join(ch.choices[0].text for ch in client.completions.create(
+            model="x", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if ch.choices)
+        check("completion streaming equals non-streaming", text == c.choices[0].text, repr((text, c.choices[0].text)))
 
         # Error shapes.
         for name, kwargs, param in [
