@@ -122,89 +122,116 @@ impl Sampler {
 
     /// Picks the next token from one row of logits, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(RuntimeError::InvalidRequest("empty logits row".into()));
-        }
-        let p = self.params;
-        let mut l = logits.to_vec();
-        if p.repeat_penalty != 1.0 {
-            let from = history.len().saturating_sub(p.repeat_last_n);
-            let mut seen = std::collections::BTreeSet::new();
-            for &t in &history[from..] {
-                if let Some(x) = l.get_mut(t as usize) {
-                    if seen.insert(t) {
-                        *x = if *x > 0.0 {
-                            *x / p.repeat_penalty
-                        } else {
-                            *x * p.repeat_penalty
-                        };
+        match distribution(&self.params, logits, history)? {
+            Distribution::Greedy(t) => Ok(t),
+            Distribution::Candidates { cand, probs, keep } => {
+                let total: f64 = probs[..keep].iter().sum();
+                let mut u = self.rng.random::<f64>() * total;
+                for i in 0..keep {
+                    u -= probs[i];
+                    if u <= 0.0 {
+                        return Ok(cand[i].0);
                     }
                 }
+                Ok(cand[keep - 1].0)
             }
         }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let from = history.len().saturating_sub(p.repeat_last_n);
-            let mut counts = std::collections::BTreeMap::<u32, u32>::new();
-            for &t in &history[from..] {
-                *counts.entry(t).or_insert(0) += 1;
-            }
-            for (t, c) in counts {
-                if let Some(x) = l.get_mut(t as usize) {
-                    *x -= p.presence_penalty + p.frequency_penalty * c as f32;
-                }
-            }
-        }
-        if p.temperature == 0.0 {
-            return argmax(&l)
-                .map(|i| i as u32)
-                .ok_or_else(|| RuntimeError::InvalidRequest("no finite logits".into()));
-        }
-        // Candidates sorted by logit, descending (stable: lower id first on ties).
-        let mut cand: Vec<(u32, f32)> = l
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, v))
-            .collect();
-        if cand.is_empty() {
-            return Err(RuntimeError::InvalidRequest("no finite logits".into()));
-        }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k.max(1));
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand
-            .iter()
-            .map(|(_, v)| (f64::from(*v - max) / f64::from(p.temperature)).exp())
-            .collect();
-        let sum: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= sum);
-        let mut keep = probs.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, x) in probs.iter().enumerate() {
-                acc += x;
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * f64::from(p.min_p);
-            keep = keep.min(probs.iter().take_while(|&&x| x >= floor).count().max(1));
-        }
-        let total: f64 = probs[..keep].iter().sum();
-        let mut u = self.rng.random::<f64>() * total;
-        for i in 0..keep {
-            u -= probs[i];
-            if u <= 0.0 {
-                return Ok(cand[i].0);
-            }
-        }
-        Ok(cand[keep - 1].0)
     }
+}
+
+/// What [`Sampler::sample`] draws from, after the repeat, presence and frequency penalties,
+/// temperature, top-k, top-p and min-p.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Distribution {
+    /// Temperature 0: the argmax (lowest id on ties).
+    Greedy(u32),
+    /// Candidates sorted by logit (descending, lower id first on ties) with their softmax
+    /// probabilities; only the first `keep` survive top-p / min-p (not renormalised).
+    Candidates {
+        cand: Vec<(u32, f32)>,
+        probs: Vec<f64>,
+        keep: usize,
+    },
+}
+
+fn apply_penalties(p: &SamplingParams, l: &mut [f32], history: &[u32]) {
+    let from = history.len().saturating_sub(p.repeat_last_n);
+    if p.repeat_penalty != 1.0 {
+        let mut seen = std::collections::BTreeSet::new();
+        for &t in &history[from..] {
+            if let Some(x) = l.get_mut(t as usize) {
+                if seen.insert(t) {
+                    *x = if *x > 0.0 {
+                        *x / p.repeat_penalty
+                    } else {
+                        *x * p.repeat_penalty
+                    };
+                }
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+        for &t in &history[from..] {
+            *counts.entry(t).or_insert(0) += 1;
+        }
+        for (t, c) in counts {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+    }
+}
+
+/// The sampling distribution of one row of logits (shared by the sampler and speculative
+/// decoding, so both always apply the same transforms).
+pub fn distribution(p: &SamplingParams, logits: &[f32], history: &[u32]) -> Result<Distribution> {
+    if logits.is_empty() {
+        return Err(RuntimeError::InvalidRequest("empty logits row".into()));
+    }
+    let mut l = logits.to_vec();
+    apply_penalties(p, &mut l, history);
+    if p.temperature == 0.0 {
+        return argmax(&l)
+            .map(|i| Distribution::Greedy(i as u32))
+            .ok_or_else(|| RuntimeError::InvalidRequest("no finite logits".into()));
+    }
+    let mut cand: Vec<(u32, f32)> = l
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    if cand.is_empty() {
+        return Err(RuntimeError::InvalidRequest("no finite logits".into()));
+    }
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k.max(1));
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f64> = cand
+        .iter()
+        .map(|(_, v)| (f64::from(*v - max) / f64::from(p.temperature)).exp())
+        .collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= sum);
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        for (i, x) in probs.iter().enumerate() {
+            acc += x;
+            if acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        let floor = probs[0] * f64::from(p.min_p);
+        keep = keep.min(probs.iter().take_while(|&&x| x >= floor).count().max(1));
+    }
+    Ok(Distribution::Candidates { cand, probs, keep })
 }
 
 #[cfg(test)]

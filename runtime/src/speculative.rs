@@ -11,7 +11,7 @@
 //!   (Leviathan et al. / Chen et al.).
 
 use crate::error::{Result, RuntimeError};
-use crate::sampling::SamplingParams;
+use crate::sampling::{Distribution, SamplingParams};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -91,82 +91,15 @@ impl SpecReport {
 /// probabilities (kept in step with the sampler by `probs_match_the_sampler`). With
 /// temperature 0 it is the one-hot of the greedy token.
 pub fn probs(p: &SamplingParams, logits: &[f32], history: &[u32]) -> Result<Vec<f32>> {
-    if logits.is_empty() {
-        return Err(RuntimeError::InvalidRequest("empty logits row".into()));
-    }
-    let mut l = logits.to_vec();
-    if p.repeat_penalty != 1.0 {
-        let from = history.len().saturating_sub(p.repeat_last_n);
-        let mut seen = std::collections::BTreeSet::new();
-        for &t in &history[from..] {
-            if let Some(x) = l.get_mut(t as usize) {
-                if seen.insert(t) {
-                    *x = if *x > 0.0 {
-                        *x / p.repeat_penalty
-                    } else {
-                        *x * p.repeat_penalty
-                    };
-                }
+    let mut out = vec![0.0f32; logits.len()];
+    match crate::sampling::distribution(p, logits, history)? {
+        Distribution::Greedy(t) => out[t as usize] = 1.0,
+        Distribution::Candidates { cand, probs, keep } => {
+            let total: f64 = probs[..keep].iter().sum();
+            for ((t, _), pr) in cand[..keep].iter().zip(&probs) {
+                out[*t as usize] = (pr / total) as f32;
             }
         }
-    }
-    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        let from = history.len().saturating_sub(p.repeat_last_n);
-        let mut counts = std::collections::BTreeMap::<u32, u32>::new();
-        for &t in &history[from..] {
-            *counts.entry(t).or_insert(0) += 1;
-        }
-        for (t, c) in counts {
-            if let Some(x) = l.get_mut(t as usize) {
-                *x -= p.presence_penalty + p.frequency_penalty * c as f32;
-            }
-        }
-    }
-    let mut out = vec![0.0f32; l.len()];
-    if p.temperature == 0.0 {
-        let i = crate::sampling::argmax(&l)
-            .ok_or_else(|| RuntimeError::InvalidRequest("no finite logits".into()))?;
-        out[i] = 1.0;
-        return Ok(out);
-    }
-    let mut cand: Vec<(u32, f32)> = l
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.is_finite())
-        .map(|(i, &v)| (i as u32, v))
-        .collect();
-    if cand.is_empty() {
-        return Err(RuntimeError::InvalidRequest("no finite logits".into()));
-    }
-    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 {
-        cand.truncate(p.top_k.max(1));
-    }
-    let max = cand[0].1;
-    let mut pr: Vec<f64> = cand
-        .iter()
-        .map(|(_, v)| (f64::from(*v - max) / f64::from(p.temperature)).exp())
-        .collect();
-    let sum: f64 = pr.iter().sum();
-    pr.iter_mut().for_each(|x| *x /= sum);
-    let mut keep = pr.len();
-    if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        for (i, x) in pr.iter().enumerate() {
-            acc += x;
-            if acc >= f64::from(p.top_p) {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    if p.min_p > 0.0 {
-        let floor = pr[0] * f64::from(p.min_p);
-        keep = keep.min(pr.iter().take_while(|&&x| x >= floor).count().max(1));
-    }
-    let total: f64 = pr[..keep].iter().sum();
-    for (i, (t, _)) in cand[..keep].iter().enumerate() {
-        out[*t as usize] = (pr[i] / total) as f32;
     }
     Ok(out)
 }
