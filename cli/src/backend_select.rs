@@ -29,13 +29,9 @@ pub fn dispatch<W: OnBackend>(kind: BackendKind, device: usize, work: W) -> Resu
         BackendKind::Wgpu => {
             #[cfg(feature = "wgpu")]
             {
-                use kvstream_memory_contracts::backend::Backend;
                 let b = kvstream_backend_stub::StubBackend::probe();
-                if let Some(missing) =
-                    kvstream_memory_contracts::report::first_missing_capability(&b.capabilities())
-                {
-                    bail!("{missing}");
-                }
+                // The missing adapter first, then the first missing capability.
+                b.check_model_support()?;
                 work.run(b)
             }
             #[cfg(not(feature = "wgpu"))]
@@ -43,6 +39,23 @@ pub fn dispatch<W: OnBackend>(kind: BackendKind, device: usize, work: W) -> Resu
                 bail!("this kvstream was built without wgpu: rebuild with `--features wgpu`, or use --backend cpu / --backend cuda")
             }
         }
+    }
+}
+
+/// Whether backend `kind` can run a model: `Err` names the first missing capability (for the
+/// wgpu stub, a missing adapter first) and suggests another backend.
+pub fn model_support(
+    kind: BackendKind,
+    caps: &kvstream_memory_contracts::Capabilities,
+) -> Result<()> {
+    #[cfg(feature = "wgpu")]
+    if kind == BackendKind::Wgpu {
+        kvstream_backend_stub::StubBackend::probe().check_model_support()?;
+    }
+    let _ = kind;
+    match kvstream_memory_contracts::report::first_missing_capability(caps) {
+        Some(missing) => bail!("{missing}"),
+        None => Ok(()),
     }
 }
 

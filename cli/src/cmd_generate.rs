@@ -4,11 +4,12 @@ use crate::args::{parse_token_list, EngineArgs};
 use crate::backend_select::{dispatch, OnBackend};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use kvstream_memory_contracts::ops::ModelBackend;
 use kvstream_runtime::chat::ChatMessage;
 use kvstream_runtime::engine::{Engine, Flow, GenerateRequest, Prompt};
 use kvstream_runtime::sampling::SamplingParams;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 
 /// Flags of `generate`.
 #[derive(Debug, Clone, Args)]
@@ -87,7 +88,32 @@ impl OnBackend for Run {
         let args = self.0;
         let req = args.request()?;
         let cfg = args.engine.engine_config()?;
-        let mut engine = Engine::load(backend, cfg).context("loading the engine")?;
+        let tty = std::io::stderr().is_terminal() && !args.json;
+        let spinner = tty.then(|| {
+            let pb = ProgressBar::new_spinner();
+            pb.set_message(format!("loading {}", args.engine.model.display()));
+            pb.enable_steady_tick(std::time::Duration::from_millis(100));
+            pb
+        });
+        let loaded = Engine::load(backend, cfg);
+        if let Some(pb) = spinner {
+            pb.finish_and_clear();
+        }
+        let mut engine = loaded.context("loading the engine")?;
+        if tty {
+            let bar = ProgressBar::new(0);
+            bar.set_style(
+                ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens ({per_sec})")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            engine.set_prefill_progress(Some(Box::new(move |done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                if done >= total {
+                    bar.finish_and_clear();
+                }
+            })));
+        }
         let json = args.json;
         let mut out = std::io::stdout();
         let result = engine

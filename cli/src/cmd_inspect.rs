@@ -1,12 +1,12 @@
 //! `kvstream inspect`: what a backend can do, and what a model needs.
 
 use crate::args::{BackendKind, EngineArgs};
-use crate::backend_select::{capabilities, dispatch, OnBackend};
-use anyhow::{bail, Result};
+use crate::backend_select::{capabilities, dispatch, model_support, OnBackend};
+use anyhow::Result;
 use clap::Args;
 use kvstream_memory_contracts::kv::geometry::{KvFootprint, PageGeometry};
 use kvstream_memory_contracts::ops::ModelBackend;
-use kvstream_memory_contracts::report::{first_missing_capability, render_capability_table};
+use kvstream_memory_contracts::report::render_capability_table;
 use kvstream_model_qwen::QwenConfig;
 use kvstream_runtime::engine::check_admission;
 use std::path::PathBuf;
@@ -70,9 +70,7 @@ impl OnBackend for Plan {
 pub fn run(args: InspectArgs) -> Result<()> {
     let caps = capabilities(args.backend, args.device)?;
     println!("{}", render_capability_table(&caps));
-    if let Some(missing) = first_missing_capability(&caps) {
-        bail!("{missing}");
-    }
+    model_support(args.backend, &caps)?;
     let Some(dir) = &args.model else {
         return Ok(());
     };

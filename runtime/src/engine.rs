@@ -197,7 +197,12 @@ pub struct Engine<B: ModelBackend> {
     pub(crate) session_tokens: Vec<u32>,
     /// Prompt cache: the recurrent state at the end of the last prompt prefill.
     pub(crate) prompt_cp: Option<crate::prompt_cache::PromptCheckpoint<B>>,
+    /// Called after every prefill chunk with (tokens done, tokens total).
+    pub(crate) prefill_progress: Option<PrefillProgress>,
 }
+
+/// A prefill progress callback: `(tokens done, tokens total)` of the current prefill.
+pub type PrefillProgress = Box<dyn FnMut(usize, usize) + Send>;
 
 /// What one target forward leaves: the final-norm hidden rows and the requested logits rows.
 pub(crate) struct StepOut<B: ModelBackend> {
@@ -446,7 +451,14 @@ impl<B: ModelBackend> Engine<B> {
             checkpoint_stage_peak: 0,
             session_tokens: Vec::new(),
             prompt_cp: None,
+            prefill_progress: None,
         })
+    }
+
+    /// Installs (or removes) a callback that sees the progress of every prefill, chunk by chunk
+    /// (the CLI draws a progress bar with it). Long prefills are also logged with `tracing`.
+    pub fn set_prefill_progress(&mut self, progress: Option<PrefillProgress>) {
+        self.prefill_progress = progress;
     }
 
     /// The backend.
@@ -691,6 +703,13 @@ impl<B: ModelBackend> Engine<B> {
                 } else {
                     out = l;
                 }
+            }
+            let done = (i * chunk + c.len()).min(tokens.len());
+            if n_chunks > 1 {
+                tracing::info!(done, total = tokens.len(), "prefill progress");
+            }
+            if let Some(cb) = self.prefill_progress.as_mut() {
+                cb(done, tokens.len());
             }
         }
         Ok(out)
