@@ -66,8 +66,9 @@ fn main() {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVSTREAM_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,wgpu_hal=off,wgpu_core=off,naga=off"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVSTREAM_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,wgpu_hal=off,wgpu_core=off,naga=off")
+    });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
