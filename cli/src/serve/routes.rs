@@ -1,6 +1,6 @@
 //! HTTP routes: OpenAI-compatible completions, models, health and metrics.
 
-use super::api::{ApiError, ChatRequest, CompletionRequest, GenParams, PromptSpec};
+use super::api::{ApiError, ChatRequest, CompletionRequest, GenParams, PromptSpec, SamplingFields};
 use super::worker::{Event, Job, JobPrompt, WorkerHandle};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -125,6 +125,17 @@ fn submit(
     Ok((rx, cancel))
 }
 
+/// Parses a request body and validates its sampling fields (shared by both endpoints).
+fn parse_validated<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    body: &Bytes,
+    sampling: impl Fn(&T) -> &SamplingFields,
+) -> Result<(T, GenParams), ApiError> {
+    let req: T = parse(body)?;
+    let params = sampling(&req).validate(state.default_max_tokens)?;
+    Ok((req, params))
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Chat,
@@ -132,12 +143,8 @@ enum Kind {
 }
 
 async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: ChatRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return error_response(&e),
-    };
-    let params = match req.sampling.validate(state.default_max_tokens) {
-        Ok(p) => p,
+    let (req, params) = match parse_validated(&state, &body, |r: &ChatRequest| &r.sampling) {
+        Ok(x) => x,
         Err(e) => return error_response(&e),
     };
     let messages = match req.text_messages() {
@@ -148,12 +155,8 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: CompletionRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return error_response(&e),
-    };
-    let params = match req.sampling.validate(state.default_max_tokens) {
-        Ok(p) => p,
+    let (req, params) = match parse_validated(&state, &body, |r: &CompletionRequest| &r.sampling) {
+        Ok(x) => x,
         Err(e) => return error_response(&e),
     };
     let prompt = match req.prompt {
