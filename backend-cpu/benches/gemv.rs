@@ -4,13 +4,18 @@
 //! * `gemv_bf16_1GiB`: `matmul` of one row with a 131072 × 4096 bf16 matrix (1 GiB, about a
 //!   0.5 B-parameter model's worth of weights).
 //!
-//! Both report bytes/s; the GEMV should reach at least half the measured bandwidth.
+//! * `gemv_q8_0_131072x4096` / `gemv_q4_g128_131072x4096`: the same matrix shape stored as
+//!   `q8_0` (544 MiB) and `q4_g128` (264 MiB); throughput counts the quantized bytes read.
+//! * `gemm_{bf16,q8_0}_T128_4096x4096_flop`: the prefill-shaped GEMM path (flop/s).
+//!
+//! All report bytes/s; the GEMV should reach at least half the measured bandwidth.
 //! Run: `cargo bench -p kvstream-backend-cpu --bench gemv -- --quick`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvstream_backend_cpu::CpuBackend;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::ops::{LinearOps, TensorOps, WeightData};
+use kvstream_memory_contracts::weight_format::quant_layout;
 use rayon::prelude::*;
 use std::hint::black_box;
 
@@ -50,6 +55,22 @@ fn bench(c: &mut Criterion) {
     });
     drop(w);
 
+    // The same shape quantized: a synthetic blob (varied codes, scales ≈ 0.01) in each layout.
+    for dtype in [WeightDType::Q8_0, WeightDType::Q4G128] {
+        let l = quant_layout(dtype, &[n, k]).expect("layout");
+        let mut bytes: Vec<u8> = (0..l.total).map(|i| (i % 251) as u8).collect();
+        for s in bytes[l.scales_offset..].chunks_exact_mut(2) {
+            s.copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+        let w = be
+            .load_weight("wq", dtype, &[n, k], WeightData::from_vec(bytes))
+            .expect("weight");
+        g.throughput(Throughput::Bytes(l.total as u64));
+        g.bench_function(format!("gemv_{dtype}_131072x4096"), |b| {
+            b.iter(|| black_box(be.matmul(&x, &w).expect("matmul")))
+        });
+    }
+
     // Prefill-shaped matmul (GEMM path): T = 128 rows through a 4096 × 4096 bf16 weight.
     let (t, n, k) = (128usize, 4096usize, 4096usize);
     let bytes: Vec<u8> = (0..n * k)
@@ -68,6 +89,23 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements((2 * t * n * k) as u64));
     g.bench_function("gemm_bf16_T128_4096x4096_flop", |b| {
         b.iter(|| black_box(be.matmul(&x, &w).expect("matmul")))
+    });
+    // The same GEMM with a q8_0 weight (row blocks dequantized into the f32 tile).
+    let l = quant_layout(WeightDType::Q8_0, &[n, k]).expect("layout");
+    let mut bytes: Vec<u8> = (0..l.total).map(|i| (i % 251) as u8).collect();
+    for s in bytes[l.scales_offset..].chunks_exact_mut(2) {
+        s.copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+    }
+    let wq = be
+        .load_weight(
+            "w3",
+            WeightDType::Q8_0,
+            &[n, k],
+            WeightData::from_vec(bytes),
+        )
+        .expect("weight");
+    g.bench_function("gemm_q8_0_T128_4096x4096_flop", |b| {
+        b.iter(|| black_box(be.matmul(&x, &wq).expect("matmul")))
     });
     g.finish();
 }

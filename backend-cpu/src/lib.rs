@@ -8,7 +8,8 @@
 //! * The copy engine is a worker thread with real fences: attention waits for *ready*, copies
 //!   wait for *consumed*.
 //! * Streamed attention walks spans in token order with f32 accumulators and normalises once.
-//! * Compute ops are multithreaded with rayon and read bf16/f16/f32 weights directly.
+//! * Compute ops are multithreaded with rayon and read bf16/f16/f32 and quantized (`q8_0`,
+//!   `q4_g128`, `fp8_e4m3`) weights directly.
 
 mod attention;
 mod copy_engine;
@@ -79,7 +80,7 @@ impl Backend for CpuBackend {
             prefill_attention: true,
             kv_pairs: Capabilities::all_kv_pairs(),
             compute_ops: true,
-            weight_dtypes: vec![WeightDType::F32, WeightDType::F16, WeightDType::Bf16],
+            weight_dtypes: WeightDType::ALL.to_vec(),
             device_memory: None,
         }
     }

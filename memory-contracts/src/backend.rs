@@ -45,28 +45,57 @@ pub trait Fence: Clone + Send + Sync + fmt::Debug {
     fn is_complete(&self) -> bool;
 }
 
-/// Stored element type of a weight.
+/// Stored type of a weight: a plain element type (`F32`, `F16`, `Bf16`) or one of the
+/// block-quantized formats of [`crate::weight_format`] (`Q8_0`, `Q4G128`, `F8E4M3`), whose byte
+/// layouts (codes, then an aligned scale section) are specified there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightDType {
+    /// IEEE f32.
     F32,
+    /// IEEE f16.
     F16,
+    /// bfloat16.
     Bf16,
+    /// 8-bit integer codes, one f16 scale per 32 values of a row (`q8_0`).
+    Q8_0,
+    /// 4-bit codes (low nibble first), one f16 scale per 128 values of a row (`q4_g128`).
+    Q4G128,
+    /// OCP FP8 E4M3 codes, one f32 scale per 128 values of a row (`fp8_e4m3`).
+    F8E4M3,
 }
 
 impl WeightDType {
-    /// Bytes per element.
+    /// Every weight dtype, element types first.
+    pub const ALL: [WeightDType; 6] = [
+        WeightDType::F32,
+        WeightDType::F16,
+        WeightDType::Bf16,
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+    ];
+
+    /// Bytes per element for the element types (4 for f32, 2 for f16/bf16).
+    ///
+    /// For the quantized types this returns 1 and is meaningless: their size is not a whole
+    /// number of bytes per element (scales are stored separately); callers must use
+    /// [`WeightDType::storage_bytes`] with the tensor's dims.
     pub const fn size(self) -> usize {
         match self {
             WeightDType::F32 => 4,
             WeightDType::F16 | WeightDType::Bf16 => 2,
+            WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 => 1,
         }
     }
-    /// Lower-case name.
+    /// Lower-case name (the CLI and safetensors-metadata spelling; [`WeightDType::parse`] reads it).
     pub const fn name(self) -> &'static str {
         match self {
             WeightDType::F32 => "f32",
             WeightDType::F16 => "f16",
             WeightDType::Bf16 => "bf16",
+            WeightDType::Q8_0 => "q8_0",
+            WeightDType::Q4G128 => "q4_g128",
+            WeightDType::F8E4M3 => "fp8_e4m3",
         }
     }
 }

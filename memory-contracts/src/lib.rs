@@ -12,6 +12,8 @@
 //! * [`ops`]: the compute ops a model needs.
 //! * [`backend`]: the [`backend::Backend`] trait (associated types) and capabilities.
 //! * [`error`]: typed errors, including [`error::CapabilityError`].
+//! * [`weight_format`]: quantized weight formats (q8_0, q4_g128, fp8_e4m3): layouts, quantize,
+//!   dequantize.
 //! * [`report`]: the capability table and the first missing capability of a model run.
 //!
 //! No backend code lives here. Backends implement the traits; validation stays in this crate
@@ -26,6 +28,7 @@ pub mod kv;
 pub mod ops;
 pub mod report;
 pub mod transfer;
+pub mod weight_format;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -34,3 +37,7 @@ pub use backend::{
     Backend, Capabilities, DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType,
 };
 pub use error::CapabilityError;
+pub use weight_format::{
+    dequantize, dequantize_row, e4m3_to_f32, f32_to_e4m3, quant_layout, quantize, QuantLayout,
+    WeightFormatError,
+};

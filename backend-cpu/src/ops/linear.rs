@@ -10,8 +10,14 @@
 //! Every GEMV output element is the same fixed-order dot product whatever T ≤ 8 is, so a
 //! 4-token verification equals 4 single-token steps bit for bit. The GEMM path (prefill) is
 //! accurate to f32 rounding but not bit-identical to the GEMV.
+//!
+//! Quantized weights (`q8_0`, `q4_g128`, `fp8_e4m3`) are read in place: the GEMV decodes each
+//! block of a weight row once into a stack buffer and accumulates all T inputs against it
+//! ([`WeightView::dot_rows`]), so it equals the GEMV over the dequantized f32 weight bit for
+//! bit; the GEMM path dequantizes row blocks into its f32 tile. `embedding` on a quantized table
+//! dequantizes the requested rows.
 
-use super::weights::{view, WeightView};
+use super::weights::{alignment, view, WeightView};
 use crate::{CpuBackend, CpuTensor, CpuWeight};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::error::OpError;
@@ -44,11 +50,19 @@ fn rows_per_task(n: usize, row_bytes: usize) -> usize {
 }
 
 /// `out[n·T + t] = x_t · w_n` for rows `n` of one task (transposed output block).
+///
+/// f32/bf16 rows are dotted in place per input; other dtypes decode each block of a row once
+/// for all T inputs. Either way `out[n·T + t]` is the fixed-order dot of `x_t` and row n.
 fn gemv_block(wv: &WeightView<'_>, x: &[f32], k: usize, t: usize, first: usize, out: &mut [f32]) {
+    let in_place = matches!(wv, WeightView::F32(_) | WeightView::Bf16(_));
     for (i, o) in out.chunks_exact_mut(t).enumerate() {
         let start = (first + i) * k;
-        for (tt, v) in o.iter_mut().enumerate() {
-            *v = wv.dot_row(&x[tt * k..(tt + 1) * k], start);
+        if in_place {
+            for (tt, v) in o.iter_mut().enumerate() {
+                *v = wv.dot_row(&x[tt * k..(tt + 1) * k], start);
+            }
+        } else {
+            wv.dot_rows(x, k, start, o);
         }
     }
 }
@@ -97,17 +111,15 @@ impl LinearOps for CpuBackend {
         dims: &[usize],
         data: WeightData,
     ) -> Result<CpuWeight, OpError> {
-        let numel = dims
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| OpError::shape("load_weight", format!("`{name}`: dims overflow")))?;
-        if numel.checked_mul(dtype.size()) != Some(data.len) {
+        let expected = dtype
+            .storage_bytes(dims)
+            .map_err(|e| OpError::shape("load_weight", format!("`{name}`: {e}")))?;
+        if expected != data.len {
             return Err(OpError::shape(
                 "load_weight",
                 format!(
-                    "`{name}`: {} bytes for {dims:?} {dtype} (expected {})",
-                    data.len,
-                    numel.saturating_mul(dtype.size())
+                    "`{name}`: {} bytes for {dims:?} {dtype} (expected {expected})",
+                    data.len
                 ),
             ));
         }
@@ -122,7 +134,7 @@ impl LinearOps for CpuBackend {
                 format!("`{name}`: byte range outside its source"),
             ));
         }
-        let aligned = data.bytes().as_ptr() as usize % dtype.size() == 0;
+        let aligned = data.bytes().as_ptr() as usize % alignment(dtype) == 0;
         let data = if aligned {
             data
         } else {
@@ -193,7 +205,7 @@ impl LinearOps for CpuBackend {
         let mut out_t = vec![0f32; n * t];
         let xs = &x.data;
         if t <= GEMV_MAX_ROWS {
-            let rpt = rows_per_task(n, k * w.dtype.size());
+            let rpt = rows_per_task(n, w.data.len / n);
             out_t
                 .par_chunks_mut(rpt * t)
                 .enumerate()
@@ -298,6 +310,168 @@ mod tests {
                 WeightData::from_vec(vec![0; 8])
             )
             .is_err());
+    }
+
+    const QUANT: [WeightDType; 3] = [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3];
+
+    #[test]
+    fn quantized_matmul_matches_the_dequantized_f32_matmul() {
+        let b = CpuBackend::new();
+        let mut r = Rng::new(31);
+        for (dt, k) in [
+            (WeightDType::Q8_0, 96usize),
+            (WeightDType::Q4G128, 256),
+            (WeightDType::F8E4M3, 200),
+        ] {
+            let n = 41;
+            let (w, held) = weight(&b, dt, &r.vec(n * k, 0.5), &[n, k]);
+            let (wf, _) = weight(&b, WeightDType::F32, &held, &[n, k]);
+            for t in [1usize, 2, 8, 9, 40] {
+                let x = r.vec(t * k, 1.0);
+                let xt = tensor(x.clone(), &[t, k]);
+                let y = b.matmul(&xt, &w).expect("quantized matmul");
+                let yf = b.matmul(&xt, &wf).expect("f32 matmul");
+                assert_eq!(y.dims, vec![t, n]);
+                for (i, (a, c)) in y.data.iter().zip(&yf.data).enumerate() {
+                    let (tt, nn) = (i / n, i % n);
+                    let mag: f64 = (0..k)
+                        .map(|j| f64::from(x[tt * k + j]).abs() * f64::from(held[nn * k + j]).abs())
+                        .sum();
+                    let err = f64::from((a - c).abs());
+                    assert!(err <= 1e-4 * mag.max(1e-6), "{dt} t={t} [{i}]: {a} vs {c}");
+                }
+                if t <= GEMV_MAX_ROWS {
+                    // The GEMV reads the same values in the same order: bit-identical.
+                    assert!(
+                        y.data
+                            .iter()
+                            .zip(&yf.data)
+                            .all(|(a, c)| a.to_bits() == c.to_bits()),
+                        "{dt} t={t}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_gemv_rows_are_bit_identical_for_t_1_to_8() {
+        let b = CpuBackend::new();
+        let mut r = Rng::new(32);
+        for (dt, k) in [
+            (WeightDType::Q8_0, 160usize),
+            (WeightDType::Q4G128, 128),
+            (WeightDType::F8E4M3, 150),
+        ] {
+            let n = 29;
+            let (w, _) = weight(&b, dt, &r.vec(n * k, 0.5), &[n, k]);
+            let x = r.vec(8 * k, 1.0);
+            let single: Vec<u32> = (0..8)
+                .flat_map(|i| {
+                    b.matmul(&tensor(x[i * k..(i + 1) * k].to_vec(), &[1, k]), &w)
+                        .expect("gemv")
+                        .data
+                })
+                .map(f32::to_bits)
+                .collect();
+            for t in 1..=GEMV_MAX_ROWS {
+                let part = b
+                    .matmul(&tensor(x[..t * k].to_vec(), &[t, k]), &w)
+                    .expect("gemv");
+                let bits: Vec<u32> = part.data.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(bits, single[..t * n], "{dt} t={t}");
+            }
+        }
+    }
+
+    #[test]
+    fn embedding_of_quantized_rows_equals_dequantize_row() {
+        let b = CpuBackend::new();
+        let mut r = Rng::new(33);
+        let (v, h) = (9usize, 256usize);
+        for dt in QUANT {
+            let vals = r.vec(v * h, 1.0);
+            let bytes =
+                kvstream_memory_contracts::weight_format::quantize(dt, &vals, &[v, h]).expect("q");
+            let table = b
+                .load_weight("emb", dt, &[v, h], WeightData::from_vec(bytes.clone()))
+                .expect("load");
+            let ids = [7u32, 0, 8, 7];
+            let e = b.embedding(&table, &ids).expect("embed");
+            let mut row = vec![0f32; h];
+            for (i, &id) in ids.iter().enumerate() {
+                kvstream_memory_contracts::weight_format::dequantize_row(
+                    dt,
+                    &bytes,
+                    &[v, h],
+                    id as usize,
+                    &mut row,
+                )
+                .expect("row");
+                assert_eq!(e.data[i * h..(i + 1) * h], row[..], "{dt} id {id}");
+            }
+            assert!(b.embedding(&table, &[9]).is_err());
+        }
+    }
+
+    #[test]
+    fn quantized_weights_of_wrong_length_or_k_are_typed_errors() {
+        let b = CpuBackend::new();
+        for dt in QUANT {
+            let dims = [4usize, 128];
+            let len = dt.storage_bytes(&dims).expect("size");
+            for bad in [len - 1, len + 1, 4 * 128 * 4] {
+                let r = b.load_weight("w", dt, &dims, WeightData::from_vec(vec![0; bad]));
+                assert!(
+                    matches!(&r, Err(OpError::Shape { op: "load_weight", detail }) if detail.contains(&len.to_string())),
+                    "{dt} {bad}: {r:?}"
+                );
+            }
+            assert!(b
+                .load_weight("w", dt, &dims, WeightData::from_vec(vec![0; len]))
+                .is_ok());
+        }
+        // K = 100 is fine for fp8 only.
+        let r = b.load_weight(
+            "w",
+            WeightDType::Q8_0,
+            &[2, 100],
+            WeightData::from_vec(vec![0; 400]),
+        );
+        assert!(matches!(r, Err(OpError::Shape { .. })), "{r:?}");
+        let len = WeightDType::F8E4M3.storage_bytes(&[2, 100]).expect("size");
+        assert!(b
+            .load_weight(
+                "w",
+                WeightDType::F8E4M3,
+                &[2, 100],
+                WeightData::from_vec(vec![0; len])
+            )
+            .is_ok());
+    }
+
+    #[test]
+    fn misaligned_quantized_sources_are_copied_and_read_correctly() {
+        let b = CpuBackend::new();
+        let vals = Rng::new(34).vec(2 * 128, 1.0);
+        let dims = [2usize, 128];
+        for dt in QUANT {
+            let bytes =
+                kvstream_memory_contracts::weight_format::quantize(dt, &vals, &dims).expect("q");
+            let mut shifted = vec![0u8];
+            shifted.extend_from_slice(&bytes);
+            let src = WeightData::from_vec(shifted);
+            let data = WeightData {
+                source: src.source.clone(),
+                offset: 1,
+                len: bytes.len(),
+            };
+            let w = b.load_weight("m", dt, &dims, data).expect("load");
+            let e = b.embedding(&w, &[1]).expect("embed");
+            let want = kvstream_memory_contracts::weight_format::dequantize(dt, &bytes, &dims)
+                .expect("dq");
+            assert_eq!(e.data, want[128..], "{dt}");
+        }
     }
 
     #[test]

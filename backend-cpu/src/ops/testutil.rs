@@ -4,6 +4,7 @@ use crate::{CpuBackend, CpuTensor, CpuWeight};
 use half::{bf16, f16};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::ops::{LinearOps, WeightData};
+use kvstream_memory_contracts::weight_format::{dequantize, quantize};
 
 /// A small xorshift generator (deterministic, no dependency).
 pub(crate) struct Rng(u64);
@@ -28,7 +29,8 @@ pub(crate) fn tensor(data: Vec<f32>, dims: &[usize]) -> CpuTensor {
     CpuTensor::new(data, dims.to_vec())
 }
 
-/// A weight of `dtype` from f32 values (rounded to the dtype); returns it and the values it holds.
+/// A weight of `dtype` from f32 values (rounded or quantized to the dtype); returns it and the
+/// values it holds (for quantized dtypes: the contract's `dequantize` of its bytes).
 pub(crate) fn weight(
     b: &CpuBackend,
     dtype: WeightDType,
@@ -54,6 +56,11 @@ pub(crate) fn weight(
                 .collect(),
             values.iter().map(|v| f16::from_f32(*v).to_f32()).collect(),
         ),
+        WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 => {
+            let bytes = quantize(dtype, values, dims).expect("quantizable test weight");
+            let held = dequantize(dtype, &bytes, dims).expect("dequantize");
+            (bytes, held)
+        }
     };
     let w = b
         .load_weight("test", dtype, dims, WeightData::from_vec(bytes))

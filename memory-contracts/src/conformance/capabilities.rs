@@ -225,13 +225,18 @@ pub fn unadvertised_ops_are_capability_errors<B: ModelBackend>(b: &B) {
             ),
         }
     }
-    for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::Bf16] {
-        let bytes = vec![0x3cu8; 4 * 8 * dtype.size()];
+    for dtype in WeightDType::ALL {
+        // K = 128 satisfies every format's K rule.
+        let dims = [4usize, 128];
+        let len = dtype
+            .storage_bytes(&dims)
+            .expect("4 × 128 is valid in every weight dtype");
+        let bytes = vec![0x3cu8; len];
         let r = LinearOps::load_weight(
             b,
             "conformance.weight",
             dtype,
-            &[4, 8],
+            &dims,
             WeightData::from_vec(bytes),
         );
         if caps.compute_ops && caps.weight_dtypes.contains(&dtype) {
