@@ -1,6 +1,9 @@
 //! Micro-benchmarks of the CUDA backend on the GPU machine:
 //!
-//! * HBM read roofline (vectorised read of 4 GiB) and GEMV GB/s on bf16 weights (T = 1 and 4);
+//! * HBM read roofline (vectorised read of 4 GiB) and GEMV GB/s (T = 1 and 4) for bf16 and each
+//!   quantized weight format (q8_0, q4_g128, fp8_e4m3) on the 27B shapes (MLP gate/up, down,
+//!   attention/GDN projections, lm_head), counted in stored bytes (codes + scales) and as a
+//!   percentage of the measured HBM read ceiling; one bf16 and one q4_g128 prefill GEMM;
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
 //!   requests;
 //! * streamed attention decode (widths 1 and 4) over 64 Ki tokens of Q8_0 K / Q4_0 V in the 27B
@@ -19,11 +22,21 @@ use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::kv::span::{Span, SpanPlan, SpanSource};
 use kvstream_memory_contracts::ops::{LinearOps, TensorOps, WeightData};
 use kvstream_memory_contracts::transfer::{CopyEngine, DeviceMemory};
+use kvstream_memory_contracts::{quant_layout, quantize};
 use rand::{Rng, SeedableRng};
 use std::error::Error;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Appends one line to the report and prints it at once (a later failing section keeps it).
+macro_rules! out {
+    ($r:expr, $($arg:tt)*) => {{
+        let line = format!($($arg)*);
+        println!("{line}");
+        writeln!($r, "{line}")
+    }};
+}
 
 fn time<F: FnMut() -> Result<(), Box<dyn Error>>>(
     b: &CudaBackend,
@@ -40,6 +53,54 @@ fn time<F: FnMut() -> Result<(), Box<dyn Error>>>(
     Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
 
+/// A weight blob of `dt` `[n, k]` for bandwidth runs: a 1 MiB block of valid encoded values
+/// (random, |w| < 0.05) tiled over the code section, and (quantized) constant 0.01 scales; no NaN
+/// codes. Tiling keeps set-up fast on the 2.5 GB lm_head while the data still far exceeds L2.
+fn synthetic_blob(
+    dt: WeightDType,
+    n: usize,
+    k: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<Vec<u8>, Box<dyn Error>> {
+    let l = quant_layout(dt, &[n, k])?;
+    let codes = if dt.is_quantized() {
+        l.scales_offset
+    } else {
+        l.total
+    };
+    const PAT: usize = 1 << 20;
+    let pat: Vec<u8> = if dt.is_quantized() {
+        (0..PAT)
+            .map(|_| {
+                let b: u8 = rng.random();
+                if dt == WeightDType::F8E4M3 {
+                    b & 0xf7 // clears the lowest exponent bit: never 0x7f / 0xff (NaN)
+                } else {
+                    b
+                }
+            })
+            .collect()
+    } else {
+        let vals: Vec<f32> = (0..PAT / dt.size())
+            .map(|_| rng.random_range(-0.05f32..0.05))
+            .collect();
+        quantize(dt, &vals, &[vals.len()])?
+    };
+    let mut blob: Vec<u8> = pat.iter().copied().cycle().take(codes).collect();
+    blob.resize(l.total, 0);
+    let scales = &mut blob[codes..];
+    if dt == WeightDType::F8E4M3 {
+        for c in scales.chunks_exact_mut(4) {
+            c.copy_from_slice(&0.01f32.to_le_bytes());
+        }
+    } else {
+        for c in scales.chunks_exact_mut(2) {
+            c.copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+    }
+    Ok(blob)
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let out_dir = std::env::args()
         .nth(1)
@@ -47,7 +108,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         .unwrap_or_else(|| ".".into());
     let b = CudaBackend::new(0)?;
     let mut report = String::new();
-    writeln!(
+    out!(
         report,
         "device: {}",
         kvstream_memory_contracts::Backend::capabilities(&b).device
@@ -59,44 +120,62 @@ fn main() -> Result<(), Box<dyn Error>> {
     let big = b.alloc_buffer(hbm_bytes)?;
     let secs = time(&b, 10, || Ok(b.bench_read(&big, hbm_bytes)?))?;
     let hbm = hbm_bytes as f64 / secs / 1e9;
-    writeln!(report, "hbm_read 4GiB: {:.3} ms, {hbm:.0} GB/s", secs * 1e3)?;
+    out!(report, "hbm_read 4GiB: {:.3} ms, {hbm:.0} GB/s", secs * 1e3)?;
     drop(big);
 
-    // GEMV on bf16 weights: 27B MLP up/gate shape [17408, 5120] and down [5120, 17408].
-    for &(n, k) in &[(17408usize, 5120usize), (5120, 17408), (12288, 5120)] {
-        let w: Vec<u8> = (0..n * k)
-            .flat_map(|_| half::bf16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes())
-            .collect();
-        let wt = b.load_weight("w", WeightDType::Bf16, &[n, k], WeightData::from_vec(w))?;
-        for t in [1usize, 4] {
-            let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            let xt = b.tensor_from_f32(&x, &[t, k])?;
-            let secs = time(&b, 50, || {
-                b.matmul(&xt, &wt)?;
-                Ok(())
-            })?;
-            let gbs = (n * k * 2) as f64 / secs / 1e9;
-            writeln!(
-                report,
-                "gemv bf16 [{n}x{k}] T={t}: {:.1} us, {gbs:.0} GB/s ({:.0}% of HBM read)",
-                secs * 1e6,
-                100.0 * gbs / hbm
-            )?;
+    // GEMV per weight format on the 27B shapes: MLP gate/up [17408, 5120], down [5120, 17408],
+    // projections [12288, 5120], lm_head [248320, 5120]. Bytes = the stored blob (codes + scales).
+    let formats = [
+        WeightDType::Bf16,
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+    ];
+    // KVSTREAM_BENCH_SKIP_GEMV=1 skips this section (e.g. when only attention changed).
+    let gemv_shapes: &[(usize, usize)] = if std::env::var_os("KVSTREAM_BENCH_SKIP_GEMV").is_some() {
+        &[]
+    } else {
+        &[(17408, 5120), (5120, 17408), (12288, 5120), (248_320, 5120)]
+    };
+    for &(n, k) in gemv_shapes {
+        for dt in formats {
+            let blob = synthetic_blob(dt, n, k, &mut rng)?;
+            let bytes = blob.len();
+            let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
+            for t in [1usize, 4] {
+                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let xt = b.tensor_from_f32(&x, &[t, k])?;
+                let secs = time(&b, 50, || {
+                    b.matmul(&xt, &wt)?;
+                    Ok(())
+                })?;
+                let gbs = bytes as f64 / secs / 1e9;
+                out!(
+                    report,
+                    "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read)",
+                    dt.name(),
+                    secs * 1e6,
+                    100.0 * gbs / hbm
+                )?;
+            }
+            // One prefill GEMM for reference (not on lm_head).
+            if n != 248_320 && matches!(dt, WeightDType::Bf16 | WeightDType::Q4G128) {
+                let t = 512;
+                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let xt = b.tensor_from_f32(&x, &[t, k])?;
+                let secs = time(&b, 3, || {
+                    b.matmul(&xt, &wt)?;
+                    Ok(())
+                })?;
+                out!(
+                    report,
+                    "gemm {:<8} [{n}x{k}] T={t}: {:.2} ms, {:.1} TFLOP/s",
+                    dt.name(),
+                    secs * 1e3,
+                    2.0 * (t * n * k) as f64 / secs / 1e12
+                )?;
+            }
         }
-        // One prefill GEMM for reference.
-        let t = 512;
-        let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        let xt = b.tensor_from_f32(&x, &[t, k])?;
-        let secs = time(&b, 5, || {
-            b.matmul(&xt, &wt)?;
-            Ok(())
-        })?;
-        writeln!(
-            report,
-            "gemm bf16 [{n}x{k}] T={t}: {:.2} ms, {:.1} TFLOP/s",
-            secs * 1e3,
-            2.0 * (t * n * k) as f64 / secs / 1e12
-        )?;
     }
 
     // H2D from registered host memory.
@@ -104,7 +183,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let host = Arc::new(HostBytes::new(h2d_bytes)?);
     let reg_t0 = Instant::now();
     let reg = b.register_host(&host)?;
-    writeln!(
+    out!(
         report,
         "host register 256MiB: {:.1} ms",
         reg_t0.elapsed().as_secs_f64() * 1e3
@@ -126,7 +205,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             }
             Ok(())
         })?;
-        writeln!(
+        out!(
             report,
             "h2d {} KiB requests: {:.1} GB/s",
             req >> 10,
@@ -171,6 +250,9 @@ fn main() -> Result<(), Box<dyn Error>> {
             offset: 0,
         }],
     )?;
+    // Full evaluation (begin + accumulate + finish) and the accumulate launch alone, widths 1 and
+    // 4; the history is read once per evaluation whatever the width.
+    let mut times = Vec::new();
     for width in [1usize, 4] {
         let shape = AttentionShape {
             q_heads: 24,
@@ -186,21 +268,49 @@ fn main() -> Result<(), Box<dyn Error>> {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let qt = b.tensor_from_f32(&q, &[width, 24, 256])?;
-        let secs = time(&b, 10, || {
+        let path = if b.attention_uses_fast_path(&shape, &g) {
+            "tensor-core q8q4 kernel"
+        } else {
+            "generic kernel"
+        };
+        let secs = time(&b, 100, || {
             let mut acc = attention_begin(&b, shape)?;
             attention_accumulate(&b, &mut acc, &qt, &pool, &plan)?;
             attention_finish(&b, acc)?;
             Ok(())
         })?;
-        writeln!(
+        // Each accumulate launch starts every split fresh, so one state can be reused.
+        let mut state =
+            kvstream_memory_contracts::attention::StreamedAttention::attn_state_new(&b, &shape)?;
+        let ksecs = time(&b, 100, || {
+            kvstream_memory_contracts::attention::StreamedAttention::attn_accumulate_unchecked(
+                &b, &shape, &qt, &pool, &plan, &mut state,
+            )?;
+            Ok(())
+        })?;
+        let gbs = pool_bytes as f64 / secs / 1e9;
+        let kgbs = pool_bytes as f64 / ksecs / 1e9;
+        out!(
             report,
-            "attention q8_0/q4_0 64Ki tokens width {width}: {:.3} ms, {:.0} GB/s of KV",
-            secs * 1e3,
-            pool_bytes as f64 / secs / 1e9
+            "attention q8_0/q4_0 64Ki tokens width {width} ({path}): evaluation {:.1} us, \
+             {gbs:.0} GB/s of KV ({:.0}% of HBM read); accumulate kernel {:.1} us, {kgbs:.0} GB/s \
+             ({:.0}%)",
+            secs * 1e6,
+            100.0 * gbs / hbm,
+            ksecs * 1e6,
+            100.0 * kgbs / hbm
+        )?;
+        times.push((secs, ksecs));
+    }
+    if let [(e1, k1), (e4, k4)] = times[..] {
+        out!(
+            report,
+            "attention width 4 / width 1: evaluation {:.2}x, accumulate kernel {:.2}x (target <= 1.3x)",
+            e4 / e1,
+            k4 / k1
         )?;
     }
 
-    print!("{report}");
     let path = std::path::Path::new(&out_dir).join("cuda_bench.txt");
     std::fs::write(&path, &report)?;
     eprintln!("wrote {}", path.display());

@@ -1,24 +1,176 @@
-//! Streamed attention on the device: fixed token-index splits, one kernel launch per span, one
-//! final combine (see `kernels/src/cu/attention.cu`).
+//! Streamed attention on the device: fixed interleaved token splits (64-token chunks dealt round
+//! robin), one kernel launch per span, one final combine (see `kernels/src/cu/attention.cu`).
+//!
+//! Two accumulate kernels share one state layout (`[n_splits, width, q_heads, head_dim + 2]`, max
+//! in the log2 domain) and one finish kernel:
+//!
+//! * `attn_accumulate_q8q4` — the decode fast path (Q8_0 K / Q4_0 V, widths 1..=4, tensor cores,
+//!   exact operands), chosen when [`CudaBackend::attention_uses_fast_path`] says so;
+//! * `attn_accumulate` — every other K/V pair, width, prefill chunk or page size.
+//!
+//! The kernel of an evaluation is a function of its shape and page geometry only (both fixed for
+//! the whole evaluation), so every span and wave of one evaluation runs the same arithmetic.
 
 use crate::launch::args;
 use crate::ops::kv_code;
 use crate::{CudaBackend, CudaBuffer, CudaTensor};
-use cudarc::driver::{sys, DeviceRepr, LaunchConfig};
-use kvstream_kernels::launch::{ATT_QW, ATT_THREADS, ATT_TILE};
+use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
+use kvstream_kernels::launch::{
+    ATT_FAST_CHUNK, ATT_FAST_ROWS, ATT_FAST_SROW, ATT_FAST_THREADS, ATT_MAX_SPLITS, ATT_QW,
+    ATT_THREADS, ATT_TILE,
+};
 use kvstream_memory_contracts::attention::{AttentionShape, StreamedAttention};
 use kvstream_memory_contracts::backend::DeviceTensor;
 use kvstream_memory_contracts::error::{AttentionError, CapabilityError, OpError};
+use kvstream_memory_contracts::kv::format::KvType;
+use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::kv::span::SpanPlan;
-use kvstream_memory_contracts::ops::TensorOps;
+use std::sync::OnceLock;
 
-/// Most splits of one evaluation (enough blocks per head at 256 Ki tokens).
-pub const MAX_SPLITS: usize = 128;
+/// Most splits of one evaluation (the finish kernel keeps one weight per split).
+pub const MAX_SPLITS: usize = ATT_MAX_SPLITS;
 
-/// The fixed number of splits of an evaluation over `total` tokens: one per 128-token tile, at
-/// most [`MAX_SPLITS`]. Depends on the shape only, never on the span layout.
-pub fn n_splits(total: usize) -> usize {
-    total.div_ceil(ATT_TILE).clamp(1, MAX_SPLITS)
+/// Blocks an evaluation aims for (KV heads × query blocks × splits): about four per SM of an H200.
+const TARGET_BLOCKS: usize = 512;
+
+/// Fewest tokens per split worth a block of its own.
+const MIN_SPLIT_TOKENS: usize = 256;
+
+/// Environment switch forcing the generic kernel (A/B measurements; any value but `0`).
+pub const FORCE_GENERIC_ENV: &str = "KVSTREAM_ATTN_GENERIC";
+
+/// The fixed, interleaved token splits of one evaluation: the tokens form chunks of [`ATT_TILE`]
+/// (64) tokens, chunk `c` = `[64c, min(64c + 64, total))`, and split `s` owns the chunks with
+/// `c % count == s`. A function of the shape only (never of the span layout); `count` never exceeds
+/// the number of chunks, so every split owns at least one chunk (its first is chunk `s`), and any
+/// span of `64 * count` consecutive tokens holds a chunk of every split: a streamed ring wave keeps
+/// as many blocks busy as a resident walk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnSplits {
+    /// Number of splits (`1..=MAX_SPLITS`, at most the number of chunks).
+    pub count: usize,
+}
+
+/// Host mirror of the kernels' ownership arithmetic, checked by the unit tests below (the kernels
+/// compute the same thing per block; the launcher itself only passes `count`).
+#[cfg(test)]
+impl AttnSplits {
+    /// The split owning chunk `chunk` (tokens `[64 * chunk, 64 * chunk + 64)`).
+    pub fn owner(&self, chunk: usize) -> usize {
+        chunk % self.count
+    }
+
+    /// The chunks of split `split` holding tokens of `[first, end)`, in token order: exactly what
+    /// one kernel launch over a span `[first, end)` walks for that split (mirrors the index
+    /// arithmetic of both accumulate kernels). Empty when the split has no token there.
+    pub fn chunks_in(&self, split: usize, first: usize, end: usize) -> impl Iterator<Item = usize> {
+        let n = self.count.max(1);
+        if end <= first || split >= n {
+            return (0..0).step_by(n);
+        }
+        let (lo, hi) = (first / ATT_TILE, end.div_ceil(ATT_TILE));
+        let start = lo + (split + n - lo % n) % n;
+        (start..hi).step_by(n)
+    }
+
+    /// Whether a launch over `[first, end)` starts split `split` fresh: it processes the split's
+    /// first token, `64 * split` (mirrors `fresh` in both accumulate kernels).
+    pub fn starts_fresh(&self, split: usize, first: usize, end: usize) -> bool {
+        self.chunks_in(split, first, end)
+            .next()
+            .is_some_and(|c| (c * ATT_TILE).max(first) == split * ATT_TILE)
+    }
+}
+
+/// The splits of an evaluation: enough (KV head, split) blocks to fill the GPU in a resident walk
+/// (`TARGET_BLOCKS`), at most [`MAX_SPLITS`], and at most one per `MIN_SPLIT_TOKENS` (256) tokens
+/// (so at most one per 4 chunks: every split owns ≥ 1 chunk).
+///
+/// State traffic: every launch reads and writes the state rows of the splits it touches,
+/// `count × width × q_heads × (head_dim + 2) × 4` bytes each way. For the 27B decode (24 query
+/// heads × 256, width 1, 64 splits) that is 1.6 MB each way per launch — resident in the 50 MB L2
+/// across the waves of one layer — against 8.1 MB of K/V HBM reads for a 4,864-token wave
+/// (4 KV heads × 416 B per token); a resident walk pays it once.
+pub fn attn_splits(shape: &AttentionShape) -> AttnSplits {
+    let total = shape.total.max(1);
+    let q_blocks = shape.width.div_ceil(ATT_QW).max(1);
+    let per_head = TARGET_BLOCKS / (shape.kv_heads.max(1) * q_blocks);
+    let count = per_head
+        .clamp(1, MAX_SPLITS)
+        .min(total.div_ceil(MIN_SPLIT_TOKENS))
+        // The invariant the kernels and attn_finish rely on: every split owns chunk `s`.
+        .min(total.div_ceil(ATT_TILE))
+        .max(1);
+    AttnSplits { count }
+}
+
+/// Launch choice of the fast kernel for one evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FastCfg {
+    /// n-tiles of 8 query rows (`ceil(group * width / 8)`).
+    nt: usize,
+    /// Dynamic shared memory in bytes.
+    smem: usize,
+}
+
+/// Shared memory of the fast kernel (mirrors the layout comment in attention.cu).
+fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
+    let khb = head_dim / 32 * 34;
+    let vhb = head_dim / 32 * 18;
+    2 * ATT_FAST_CHUNK * (khb + vhb)
+        + head_dim / 16 * nt * 32 * 16
+        + ATT_FAST_ROWS * ATT_FAST_SROW * 4
+        + 3 * ATT_FAST_ROWS * 4
+}
+
+/// The fast kernel's configuration if it applies to `shape` over pages of geometry `g` with
+/// `max_smem` bytes of opt-in shared memory. A function of shape and geometry only.
+fn fast_cfg(shape: &AttentionShape, g: &PageGeometry, max_smem: usize) -> Option<FastCfg> {
+    if shape.k_type != KvType::Q8_0 || shape.v_type != KvType::Q4_0 {
+        return None;
+    }
+    if !matches!(shape.head_dim, 64 | 128 | 256) {
+        return None;
+    }
+    if shape.width == 0 || shape.width > ATT_QW || shape.kv_heads == 0 {
+        return None;
+    }
+    let rows = shape.q_heads / shape.kv_heads * shape.width;
+    if rows == 0 || rows > ATT_FAST_ROWS {
+        return None;
+    }
+    if g.tokens_per_page() < ATT_FAST_CHUNK {
+        return None;
+    }
+    let nt = rows.div_ceil(8);
+    let smem = fast_smem_bytes(shape.head_dim, nt);
+    (smem <= max_smem).then_some(FastCfg { nt, smem })
+}
+
+fn force_generic() -> bool {
+    static FORCE: OnceLock<bool> = OnceLock::new();
+    *FORCE.get_or_init(|| std::env::var(FORCE_GENERIC_ENV).is_ok_and(|v| v != "0"))
+}
+
+/// Widest copy (16, 4 or 1 bytes) for which every K/V head row address of the fast kernel is
+/// aligned: pool base + span offset, page, row, plane and head strides.
+fn copy_width(base: u64, g: &PageGeometry) -> i32 {
+    let parts = [
+        base,
+        g.page_bytes() as u64,
+        g.k_row_bytes() as u64,
+        g.v_row_bytes() as u64,
+        g.v_plane_offset() as u64,
+        g.k_head_bytes() as u64,
+        g.v_head_bytes() as u64,
+    ];
+    if parts.iter().all(|p| p % 16 == 0) {
+        16
+    } else if parts.iter().all(|p| p % 4 == 0) {
+        4
+    } else {
+        1
+    }
 }
 
 /// Mirrors `struct AttnGeo` in attention.cu (repr(C), same field order and types).
@@ -30,7 +182,7 @@ struct AttnGeo {
     head_dim: i32,
     width: i32,
     total: i32,
-    scale: f32,
+    scale_log2: f32,
     k_type: i32,
     v_type: i32,
     tpp: i32,
@@ -60,14 +212,47 @@ fn cap(detail: String) -> AttentionError {
     AttentionError::Capability(CapabilityError::new("cuda", "streamed_attention", detail))
 }
 
-/// Shared-memory bytes of one block for `rows` query rows and a unit of `unit` tokens.
+/// Shared-memory bytes of one generic block for `rows` query rows and a unit of `unit` tokens.
 fn smem_bytes(rows: usize, unit: usize, d: usize) -> usize {
     4 * (2 * rows * d + unit * (d + 1) + unit * d + rows * unit + 3 * rows)
 }
 
+fn check_state(
+    shape: &AttentionShape,
+    splits: &AttnSplits,
+    state: &CudaTensor,
+) -> Result<(), AttentionError> {
+    if state.numel() != splits.count * shape.state_len() {
+        return Err(AttentionError::Shape {
+            name: "state",
+            got: state.numel(),
+            expected: splits.count * shape.state_len(),
+        });
+    }
+    Ok(())
+}
+
+fn reserve_smem(f: &CudaFunction, smem: usize) -> Result<(), AttentionError> {
+    // SAFETY: sets a launch attribute of a loaded function; the value fits the device limit
+    // (callers only pass sizes checked against `max_smem_optin`).
+    let r = unsafe {
+        sys::cuFuncSetAttribute(
+            f.cu_function(),
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(cap(format!(
+            "cannot reserve {smem} bytes of shared memory: {r:?}"
+        )));
+    }
+    Ok(())
+}
+
 impl CudaBackend {
-    /// The token unit: the largest of 32, 16, 8, 4, 2, 1 dividing the page size whose shared
-    /// memory fits; `None` if nothing fits.
+    /// The generic kernel's token unit: the largest of 32, 16, 8, 4, 2, 1 dividing the page size
+    /// whose shared memory fits; `None` if nothing fits.
     fn attn_unit(&self, shape: &AttentionShape, tpp: usize) -> Option<(usize, usize)> {
         let g = shape.q_heads / shape.kv_heads;
         let rows = g * ATT_QW.min(shape.width);
@@ -77,18 +262,80 @@ impl CudaBackend {
             .map(|u| (u, smem_bytes(rows, u, shape.head_dim)))
             .find(|&(_, b)| b <= self.max_smem_optin)
     }
+
+    /// True when an evaluation of `shape` over pages of `geometry` runs the tensor-core decode
+    /// kernel (Q8_0 K / Q4_0 V, head_dim 64/128/256, width ≤ 4, group × width ≤ 32, pages of
+    /// ≥ 64 tokens, shared memory fits, and `KVSTREAM_ATTN_GENERIC` unset). Fixed per evaluation.
+    pub fn attention_uses_fast_path(
+        &self,
+        shape: &AttentionShape,
+        geometry: &PageGeometry,
+    ) -> bool {
+        !force_generic() && fast_cfg(shape, geometry, self.max_smem_optin).is_some()
+    }
+
+    fn attn_geo(shape: &AttentionShape, g: &PageGeometry) -> AttnGeo {
+        AttnGeo {
+            q_heads: shape.q_heads as i32,
+            kv_heads: shape.kv_heads as i32,
+            head_dim: shape.head_dim as i32,
+            width: shape.width as i32,
+            total: shape.total as i32,
+            scale_log2: shape.scale * std::f32::consts::LOG2_E,
+            k_type: kv_code(g.k_type()),
+            v_type: kv_code(g.v_type()),
+            tpp: g.tokens_per_page() as i32,
+            page_bytes: g.page_bytes() as u64,
+            k_row_bytes: g.k_row_bytes() as u64,
+            v_row_bytes: g.v_row_bytes() as u64,
+            k_head_bytes: g.k_head_bytes() as u64,
+            v_head_bytes: g.v_head_bytes() as u64,
+            v_plane_off: g.v_plane_offset() as u64,
+        }
+    }
+
+    fn attn_accumulate_fast(
+        &self,
+        shape: &AttentionShape,
+        cfg: FastCfg,
+        splits: AttnSplits,
+        q: &CudaTensor,
+        pool: &CudaBuffer,
+        plan: &SpanPlan,
+        state: &mut CudaTensor,
+    ) -> Result<(), AttentionError> {
+        let g = plan.geometry();
+        let f = self.func("attn_accumulate_q8q4").map_err(op_err)?;
+        reserve_smem(f, cfg.smem)?;
+        let geo = Self::attn_geo(shape, g);
+        let launch = LaunchConfig {
+            grid_dim: (shape.kv_heads as u32, splits.count as u32, 1),
+            block_dim: (ATT_FAST_THREADS as u32, 1, 1),
+            shared_mem_bytes: cfg.smem as u32,
+        };
+        let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
+        let (ns, nt) = (splits.count as i32, cfg.nt as i32);
+        for span in plan.spans() {
+            let vec = copy_width(pp + span.offset as u64, g);
+            let (off, first, count) = (
+                span.offset as u64,
+                span.first_token as i32,
+                span.count as i32,
+            );
+            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &nt];
+            self.launch("attn_accumulate_q8q4", f, launch, &mut a)
+                .map_err(op_err)?;
+        }
+        Ok(())
+    }
 }
 
 impl StreamedAttention for CudaBackend {
     fn attn_state_new(&self, shape: &AttentionShape) -> Result<CudaTensor, AttentionError> {
-        let s = n_splits(shape.total);
-        let row = shape.head_dim + 2;
-        let rows = shape.width * shape.q_heads;
-        let mut host = vec![0f32; s * rows * row];
-        for r in host.chunks_exact_mut(row) {
-            r[0] = f32::NEG_INFINITY;
-        }
-        self.tensor_from_f32(&host, &[s, shape.width, shape.q_heads, row])
+        // Left uninitialised: the launch holding a split's first token starts that split fresh,
+        // and every split holds a token, so attn_finish only reads written state.
+        let s = attn_splits(shape);
+        self.tensor_uninit(&[s.count, shape.width, shape.q_heads, shape.head_dim + 2])
             .map_err(op_err)
     }
 
@@ -108,19 +355,18 @@ impl StreamedAttention for CudaBackend {
         )
         .entered();
         let g = plan.geometry();
-        let splits = n_splits(shape.total);
-        if state.numel() != splits * shape.state_len() {
-            return Err(AttentionError::Shape {
-                name: "state",
-                got: state.numel(),
-                expected: splits * shape.state_len(),
-            });
-        }
-        if shape.total > i32::MAX as usize {
+        let splits = attn_splits(shape);
+        check_state(shape, &splits, state)?;
+        if shape.total > i32::MAX as usize / 2 {
             return Err(cap(format!(
                 "{} tokens exceed the kernel's i32 range",
                 shape.total
             )));
+        }
+        if !force_generic() {
+            if let Some(cfg) = fast_cfg(shape, g, self.max_smem_optin) {
+                return self.attn_accumulate_fast(shape, cfg, splits, q, pool, plan, state);
+            }
         }
         let (unit, smem) = self.attn_unit(shape, g.tokens_per_page()).ok_or_else(|| {
             cap(format!(
@@ -131,47 +377,19 @@ impl StreamedAttention for CudaBackend {
             ))
         })?;
         let f = self.func("attn_accumulate").map_err(op_err)?;
-        // SAFETY: sets a launch attribute of a loaded function; the value fits the device limit.
-        let r = unsafe {
-            sys::cuFuncSetAttribute(
-                f.cu_function(),
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(cap(format!(
-                "cannot reserve {smem} bytes of shared memory: {r:?}"
-            )));
-        }
-        let geo = AttnGeo {
-            q_heads: shape.q_heads as i32,
-            kv_heads: shape.kv_heads as i32,
-            head_dim: shape.head_dim as i32,
-            width: shape.width as i32,
-            total: shape.total as i32,
-            scale: shape.scale,
-            k_type: kv_code(g.k_type()),
-            v_type: kv_code(g.v_type()),
-            tpp: g.tokens_per_page() as i32,
-            page_bytes: g.page_bytes() as u64,
-            k_row_bytes: g.k_row_bytes() as u64,
-            v_row_bytes: g.v_row_bytes() as u64,
-            k_head_bytes: g.k_head_bytes() as u64,
-            v_head_bytes: g.v_head_bytes() as u64,
-            v_plane_off: g.v_plane_offset() as u64,
-        };
+        reserve_smem(f, smem)?;
+        let geo = Self::attn_geo(shape, g);
         let cfg = LaunchConfig {
             grid_dim: (
                 shape.kv_heads as u32,
-                splits as u32,
+                splits.count as u32,
                 shape.width.div_ceil(ATT_QW) as u32,
             ),
             block_dim: (ATT_THREADS as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
-        let (ns, u) = (splits as i32, unit as i32);
+        let (ns, u) = (splits.count as i32, unit as i32);
         for span in plan.spans() {
             let (off, first, count) = (
                 span.offset as u64,
@@ -190,14 +408,8 @@ impl StreamedAttention for CudaBackend {
         shape: &AttentionShape,
         state: &CudaTensor,
     ) -> Result<CudaTensor, AttentionError> {
-        let splits = n_splits(shape.total);
-        if state.numel() != splits * shape.state_len() {
-            return Err(AttentionError::Shape {
-                name: "state",
-                got: state.numel(),
-                expected: splits * shape.state_len(),
-            });
-        }
+        let splits = attn_splits(shape);
+        check_state(shape, &splits, state)?;
         let out = self
             .tensor_uninit(&[shape.width, shape.q_heads * shape.head_dim])
             .map_err(op_err)?;
@@ -205,7 +417,7 @@ impl StreamedAttention for CudaBackend {
         let (sp, op, ns, w, h, d) = (
             state.ptr(),
             out.ptr(),
-            splits as i32,
+            splits.count as i32,
             shape.width as i32,
             shape.q_heads as i32,
             shape.head_dim as i32,
@@ -222,5 +434,180 @@ impl StreamedAttention for CudaBackend {
         let mut a = args![&sp, &op, &ns, &w, &h, &d];
         self.launch("attn_finish", f, cfg, &mut a).map_err(op_err)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(width: usize, total: usize, kv_heads: usize) -> AttentionShape {
+        AttentionShape {
+            q_heads: 6 * kv_heads,
+            kv_heads,
+            head_dim: 256,
+            width,
+            total,
+            scale: 0.0625,
+            k_type: KvType::Q8_0,
+            v_type: KvType::Q4_0,
+        }
+    }
+
+    #[test]
+    fn every_split_owns_a_chunk_and_the_resident_walk_fills_the_gpu() {
+        for total in [
+            1usize, 63, 64, 65, 300, 2047, 5000, 65_536, 262_144, 1_000_003,
+        ] {
+            for width in [1usize, 4, 7, 64, 512] {
+                if width > total {
+                    continue;
+                }
+                let s = attn_splits(&shape(width, total, 4));
+                assert!(
+                    s.count >= 1 && s.count <= MAX_SPLITS,
+                    "{total}/{width}: {s:?}"
+                );
+                // Split s's first chunk is chunk s: it must exist (attn_finish reads every split).
+                assert!(
+                    s.count <= total.div_ceil(ATT_TILE),
+                    "{total}/{width}: empty split {s:?}"
+                );
+                // The resident walk touches every split, each starting fresh exactly there.
+                for split in 0..s.count {
+                    assert!(s.starts_fresh(split, 0, total), "{total}: split {split}");
+                }
+            }
+        }
+        let s = attn_splits(&shape(1, 65_536, 4));
+        assert!(s.count * 4 >= 132, "too few blocks at 64 Ki: {s:?}");
+    }
+
+    /// Chunk c's tokens inside `[first, end)` as launched for split `split` (empty if none).
+    fn walk(s: &AttnSplits, split: usize, first: usize, end: usize) -> Vec<(usize, usize)> {
+        s.chunks_in(split, first, end)
+            .map(|c| {
+                (
+                    (c * ATT_TILE).max(first),
+                    (c * ATT_TILE + ATT_TILE).min(end),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn interleaving_keeps_every_split_busy_in_every_256ki_wave() {
+        let total = 262_144;
+        let wave = 19 * 256;
+        let s = attn_splits(&shape(1, total, 4));
+        assert!(s.count * 4 >= 132, "too few blocks: {s:?}");
+        let chunks = total / ATT_TILE;
+        let mut seen = vec![0usize; chunks];
+        let mut w0 = 0;
+        let mut waves = 0;
+        while w0 < total {
+            let w1 = (w0 + wave).min(total);
+            for split in 0..s.count {
+                let cs: Vec<usize> = s.chunks_in(split, w0, w1).collect();
+                assert!(!cs.is_empty(), "split {split} idle in wave [{w0}, {w1})");
+                for c in cs {
+                    assert_eq!(s.owner(c), split);
+                    assert!(c * ATT_TILE >= w0 && c * ATT_TILE < w1, "chunk {c} outside");
+                    seen[c] += 1;
+                }
+                assert_eq!(s.starts_fresh(split, w0, w1), w0 == 0, "split {split}");
+            }
+            w0 = w1;
+            waves += 1;
+        }
+        assert!(waves > 50);
+        assert!(
+            seen.iter().all(|&n| n == 1),
+            "chunk coverage: {:?}",
+            seen.iter().enumerate().find(|(_, &n)| n != 1)
+        );
+    }
+
+    #[test]
+    fn streamed_chunk_walk_equals_the_resident_walk_for_any_page_aligned_spans() {
+        // Deterministic xorshift: random page-aligned span layouts over small and large pages.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m as u64) as usize
+        };
+        for _ in 0..200 {
+            let tpp = [16usize, 32, 64, 128, 256][next(5)];
+            let total = 1 + next(20_000);
+            let width = 1 + next(8);
+            let s = attn_splits(&shape(width.min(total), total, 1 + next(4)));
+            // Spans of 1..=12 pages in token order.
+            let mut spans = Vec::new();
+            let mut t = 0;
+            while t < total {
+                let end = (t + (1 + next(12)) * tpp).min(total);
+                spans.push((t, end));
+                t = end;
+            }
+            for split in 0..s.count {
+                let resident = walk(&s, split, 0, total);
+                assert!(!resident.is_empty());
+                let mut streamed = Vec::new();
+                let mut fresh_seen = false;
+                for &(a, b) in &spans {
+                    let part = walk(&s, split, a, b);
+                    if part.is_empty() {
+                        assert!(!s.starts_fresh(split, a, b));
+                        continue;
+                    }
+                    // The first launch touching a split starts it fresh; no other does.
+                    assert_eq!(
+                        s.starts_fresh(split, a, b),
+                        !fresh_seen,
+                        "split {split} at {a}"
+                    );
+                    fresh_seen = true;
+                    streamed.extend(part);
+                }
+                // Merge pieces of chunks cut by span boundaries (pages < 64 tokens).
+                let mut merged: Vec<(usize, usize)> = Vec::new();
+                for (a, b) in streamed {
+                    match merged.last_mut() {
+                        Some(last) if last.1 == a && a % ATT_TILE != 0 => last.1 = b,
+                        _ => merged.push((a, b)),
+                    }
+                }
+                assert_eq!(merged, resident, "tpp {tpp} total {total} split {split}");
+            }
+        }
+    }
+
+    #[test]
+    fn fast_path_covers_27b_decode_only() {
+        let g = PageGeometry::new(256, 4, 256, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+        let limit = 227 * 1024;
+        for width in 1..=4 {
+            let c = fast_cfg(&shape(width, 65_536, 4), &g, limit).expect("fast");
+            assert_eq!(c.nt, (6 * width).div_ceil(8));
+            assert!(c.smem <= limit / 2, "two blocks per SM: {}", c.smem);
+        }
+        assert!(fast_cfg(&shape(5, 65_536, 4), &g, limit).is_none());
+        let small = PageGeometry::new(16, 4, 256, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+        assert!(fast_cfg(&shape(1, 4096, 4), &small, limit).is_none());
+        let mut bf = shape(1, 4096, 4);
+        bf.k_type = KvType::Bf16;
+        assert!(fast_cfg(&bf, &g, limit).is_none());
+    }
+
+    #[test]
+    fn copy_width_follows_alignment() {
+        let g = PageGeometry::new(256, 4, 256, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+        assert_eq!(copy_width(0, &g), 16);
+        assert_eq!(copy_width(4, &g), 4);
+        assert_eq!(copy_width(2, &g), 1);
+        let g64 = PageGeometry::new(64, 2, 64, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+        assert_eq!(copy_width(0, &g64), 4);
     }
 }

@@ -173,7 +173,14 @@ impl Backend for CudaBackend {
             prefill_attention: true,
             kv_pairs: Capabilities::all_kv_pairs(),
             compute_ops: true,
-            weight_dtypes: vec![WeightDType::F32, WeightDType::F16, WeightDType::Bf16],
+            weight_dtypes: vec![
+                WeightDType::F32,
+                WeightDType::F16,
+                WeightDType::Bf16,
+                WeightDType::Q8_0,
+                WeightDType::Q4G128,
+                WeightDType::F8E4M3,
+            ],
             device_memory: Some(self.total_mem as u64),
         }
     }

@@ -5,6 +5,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use kvstream_memory_contracts::backend::{
     DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType,
 };
+use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::host::HostBytes;
 use std::sync::Arc;
 
@@ -142,13 +143,31 @@ impl DeviceWeight for CudaWeight {
     }
 }
 
-/// Kernel code of a weight dtype (matches `common.cuh`).
+/// Kernel code of a weight dtype: 0..=2 match `common.cuh` (`WT_F32`, `WT_F16`, `WT_BF16`, read
+/// element-wise by `load_w`); 3..=5 are the quantized layouts of `linear.cu` (`WT_Q8_0`,
+/// `WT_Q4G128`, `WT_F8E4M3`), which only the linear kernels (`load_wq`, GEMV, GEMM, embedding)
+/// understand: element-wise kernels must not be given a quantized weight.
 pub(crate) fn dtype_code(d: WeightDType) -> i32 {
     match d {
         WeightDType::F32 => 0,
         WeightDType::F16 => 1,
         WeightDType::Bf16 => 2,
+        WeightDType::Q8_0 => 3,
+        WeightDType::Q4G128 => 4,
+        WeightDType::F8E4M3 => 5,
     }
+}
+
+/// Kernel code of a weight read element-wise (norm weights, conv kernels, `A_log`, `dt_bias`):
+/// a quantized weight there is a typed error instead of being misread by `load_w`.
+pub(crate) fn elementwise_dtype_code(op: &'static str, d: WeightDType) -> Result<i32, OpError> {
+    if d.is_quantized() {
+        return Err(OpError::DType {
+            op,
+            dtype: format!("{d} (element-wise ops read f32/f16/bf16 weights only)"),
+        });
+    }
+    Ok(dtype_code(d))
 }
 
 /// A CUDA event recorded on the compute or copy stream (ready / consumed / producer fence).

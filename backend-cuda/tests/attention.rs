@@ -1,6 +1,8 @@
 //! Streamed attention on the GPU against the CPU backend for decode widths 1..=4 and a prefill
-//! width, over every K/V format pair, plus resident == streamed bit for bit with several waves.
-//! Run on a GPU machine with `--ignored`.
+//! width, over every K/V format pair (16-token pages: the generic kernel), the tensor-core
+//! Q8_0/Q4_0 decode kernel (64..256-token pages, head_dim 64/128/256, up to 32 query rows,
+//! including the 27B geometry), plus resident == streamed bit for bit with several waves on both
+//! kernels. Run on a GPU machine with `--ignored`.
 
 use kvstream_backend_cpu::CpuBackend;
 use kvstream_backend_cuda::CudaBackend;
@@ -95,6 +97,74 @@ fn shape(width: usize, total: usize, k: KvType, v: KvType) -> AttentionShape {
     }
 }
 
+/// A Q8_0 K / Q4_0 V shape of `group` query heads per KV head.
+fn q8q4_shape(
+    group: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    width: usize,
+    total: usize,
+) -> AttentionShape {
+    AttentionShape {
+        q_heads: group * kv_heads,
+        kv_heads,
+        head_dim,
+        width,
+        total,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        k_type: KvType::Q8_0,
+        v_type: KvType::Q4_0,
+    }
+}
+
+/// Largest absolute difference, after checking both sides are finite and not all zero.
+fn worst_error(got: &[f32], want: &[f32], what: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: non-finite output"
+    );
+    assert!(want.iter().any(|x| *x != 0.0), "{what}: all-zero reference");
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Waves covering `pages` (>= 2) pages in order, always at least two: no wave holds more than
+/// half the pages. The first wave opens with one long span of a third of the pages (several chunks
+/// of every split in one launch, so a split walks more than one chunk per launch); then come
+/// random spans of 1..=9 pages, 1..=3 per wave. With splits owning interleaved 64-token chunks,
+/// every wave boundary cuts through the chunk sequence of every split (each split's chunks lie in
+/// both halves of the evaluation), so every split's state continues across launches.
+fn random_waves(pages: usize, rng: &mut StdRng) -> Vec<Vec<(usize, usize)>> {
+    assert!(pages >= 2, "{pages} pages cannot form two waves");
+    let max_wave = pages / 2;
+    let mut waves: Vec<Vec<(usize, usize)>> = Vec::new();
+    let mut p = 0;
+    while p < pages {
+        let mut wave = Vec::new();
+        let mut budget = max_wave;
+        if p == 0 {
+            let n = (pages / 3).clamp(1, budget);
+            wave.push((0, n));
+            p = n;
+            budget -= n;
+        }
+        for _ in 0..rng.random_range(1..=3) {
+            if p >= pages || budget == 0 {
+                break;
+            }
+            let n = rng.random_range(1..=9usize).min(pages - p).min(budget);
+            wave.push((p, n));
+            p += n;
+            budget -= n;
+        }
+        waves.push(wave);
+    }
+    waves
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_and_prefill_widths_match_cpu_for_every_format_pair() {
@@ -149,20 +219,7 @@ fn streamed_equals_resident_bit_for_bit_across_waves() {
             let pages = g.pages_for(total);
             let resident = run(&gpu, sh, &g, &img, &q, &[vec![(0, pages)]]);
             // Random spans of 1..=9 pages, grouped into waves of 1..=3 spans.
-            let mut waves: Vec<Vec<(usize, usize)>> = Vec::new();
-            let mut p = 0;
-            while p < pages {
-                let mut wave = Vec::new();
-                for _ in 0..rng.random_range(1..=3) {
-                    if p >= pages {
-                        break;
-                    }
-                    let n = rng.random_range(1..=9usize).min(pages - p);
-                    wave.push((p, n));
-                    p += n;
-                }
-                waves.push(wave);
-            }
+            let waves = random_waves(pages, &mut rng);
             assert!(waves.len() > 2);
             assert!(
                 resident.iter().all(|x| x.is_finite()),
@@ -173,6 +230,81 @@ fn streamed_equals_resident_bit_for_bit_across_waves() {
                 streamed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 resident.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "{k}/{v} width {width}: streamed differs from resident"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_decode_kernel_matches_cpu_including_27b_geometry() {
+    let cpu = CpuBackend::new();
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(13);
+    // (tokens per page, group, kv heads, head_dim, widths, tokens): small heads at widths 1..=4,
+    // 128-wide heads, and the 27B geometry (24 query heads, 4 KV heads × 256, 256-token pages).
+    let cases: [(usize, usize, usize, usize, &[usize], (usize, usize)); 4] = [
+        (64, 3, 2, 64, &[1, 2, 3, 4], (300, 700)),
+        (64, 8, 1, 128, &[1, 4], (500, 900)),
+        (256, 6, 4, 256, &[1, 4], (2500, 3500)),
+        (128, 6, 4, 256, &[2, 3], (1000, 1500)),
+    ];
+    for (tpp, group, kv_heads, head_dim, widths, (lo, hi)) in cases {
+        for &width in widths {
+            let total = rng.random_range(lo..hi);
+            let g = PageGeometry::new(tpp, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0)
+                .expect("geometry");
+            let sh = q8q4_shape(group, kv_heads, head_dim, width, total);
+            assert!(
+                gpu.attention_uses_fast_path(&sh, &g),
+                "{sh:?} should take the fast path"
+            );
+            let img = image(&g, total, &mut rng);
+            let q: Vec<f32> = (0..sh.query_len())
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let waves = vec![vec![(0, g.pages_for(total))]];
+            let want = run(&cpu, sh, &g, &img, &q, &waves);
+            let got = run(&gpu, sh, &g, &img, &q, &waves);
+            let what = format!("tpp {tpp} group {group} d {head_dim} width {width} total {total}");
+            let worst = worst_error(&got, &want, &what);
+            assert!(worst < 2e-5, "{what}: max err {worst}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_decode_kernel_streamed_equals_resident_bit_for_bit() {
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(14);
+    // 64- and 128-token pages; the splits' interleaved chunks fall into several waves and spans, so
+    // states continue across launches (and across spans of one wave).
+    for (tpp, group, kv_heads, head_dim) in [
+        (64usize, 3usize, 2usize, 64usize),
+        (64, 6, 2, 256),
+        (128, 6, 4, 256),
+    ] {
+        for width in [1usize, 3, 4] {
+            let total = 2000 + rng.random_range(0..200);
+            let g = PageGeometry::new(tpp, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0)
+                .expect("geometry");
+            let sh = q8q4_shape(group, kv_heads, head_dim, width, total);
+            assert!(gpu.attention_uses_fast_path(&sh, &g));
+            let img = image(&g, total, &mut rng);
+            let q: Vec<f32> = (0..sh.query_len())
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let pages = g.pages_for(total);
+            let resident = run(&gpu, sh, &g, &img, &q, &[vec![(0, pages)]]);
+            assert!(resident.iter().all(|x| x.is_finite()));
+            let waves = random_waves(pages, &mut rng);
+            assert!(waves.len() > 1);
+            let streamed = run(&gpu, sh, &g, &img, &q, &waves);
+            assert_eq!(
+                streamed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                resident.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "tpp {tpp} d {head_dim} width {width}: streamed differs from resident"
             );
         }
     }

@@ -1,7 +1,7 @@
 //! Every compute op on the GPU against the CPU reference backend, on fresh random inputs (never
 //! all zeros), within dtype tolerances. Run on a GPU machine with `--ignored`.
 
-use half::{bf16, f16};
+use half::f16;
 use kvstream_backend_cpu::CpuBackend;
 use kvstream_backend_cuda::CudaBackend;
 use kvstream_memory_contracts::backend::WeightDType;
@@ -9,6 +9,7 @@ use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::ops::*;
 use kvstream_memory_contracts::transfer::DeviceMemory;
+use kvstream_memory_contracts::{dequantize, quantize};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -32,17 +33,10 @@ fn rnd(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
         .collect()
 }
 
-fn weight_bytes(vals: &[f32], dt: WeightDType) -> Vec<u8> {
-    match dt {
-        WeightDType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        WeightDType::F16 => vals
-            .iter()
-            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        WeightDType::Bf16 => vals
-            .iter()
-            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-            .collect(),
+fn weight_bytes(vals: &[f32], dims: &[usize], dt: WeightDType) -> Vec<u8> {
+    match quantize(dt, vals, dims) {
+        Ok(b) => b,
+        Err(e) => panic!("quantize {dt} {dims:?}: {e}"),
     }
 }
 
@@ -101,7 +95,7 @@ impl Pair {
         <CpuBackend as kvstream_memory_contracts::Backend>::Weight,
         <CudaBackend as kvstream_memory_contracts::Backend>::Weight,
     ) {
-        let bytes = weight_bytes(vals, dt);
+        let bytes = weight_bytes(vals, dims, dt);
         (
             self.cpu
                 .load_weight("w", dt, dims, WeightData::from_vec(bytes.clone()))
@@ -123,35 +117,279 @@ impl Pair {
     }
 }
 
+/// Random values with a heavy spike near zero (r^4 for a third of them), so quantized formats see
+/// tiny codes and fp8 sees subnormals; never exactly zero.
+fn heavy(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let r: f32 = rng.random_range(0.01f32..1.0);
+            let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
+            let m = if i % 3 == 0 { r * r * r * r } else { r };
+            s * amp * m
+        })
+        .collect()
+}
+
+fn deq(dt: WeightDType, bytes: &[u8], dims: &[usize]) -> Vec<f32> {
+    match dequantize(dt, bytes, dims) {
+        Ok(v) => v,
+        Err(e) => panic!("dequantize {dt} {dims:?}: {e}"),
+    }
+}
+
+/// Shapes `(n, k)` valid for `dt`: K not a multiple of 256, a split-K GEMV shape (few long rows),
+/// and for the element types / fp8 ragged K that takes the scalar GEMV path.
+fn shapes_for(dt: WeightDType) -> Vec<(usize, usize)> {
+    let mut s = vec![(70, 384), (33, 1152), (7, 4096), (130, 640)];
+    match dt {
+        WeightDType::Q4G128 => {}
+        WeightDType::Q8_0 => s.push((70, 96)),
+        _ => {
+            s.push((70, 200));
+            s.push((37, 203));
+        }
+    }
+    s
+}
+
+/// Every dtype, GEMV widths 1..=8 and GEMM widths 9 and 33, against the CPU backend, within 1e-4
+/// of Σ|w·x| per output (the scale of the f32 rounding of any summation order).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_gemv_and_gemm_match_cpu_for_every_dtype() {
     let p = Pair::new();
     let mut rng = StdRng::seed_from_u64(1);
-    for dt in [WeightDType::Bf16, WeightDType::F16, WeightDType::F32] {
-        for &(t, k, n) in &[
-            (1, 256, 96),
-            (3, 200, 70),
-            (8, 512, 33),
-            (9, 64, 64),
-            (70, 136, 130),
-        ] {
-            let x = rnd(&mut rng, t * k, 1.0);
-            let w = rnd(&mut rng, n * k, 0.5);
-            let (xc, xg) = p.t(&x, &[t, k]);
+    for dt in WeightDType::ALL {
+        for (n, k) in shapes_for(dt) {
+            let mut w = heavy(&mut rng, n * k, 0.5);
+            // One all-zero row (zero scales in the quantized formats).
+            w[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+            let bytes = weight_bytes(&w, &[n, k], dt);
+            let wd = deq(dt, &bytes, &[n, k]);
             let (wc, wg) = p.w(&w, &[n, k], dt);
-            let yc = p.cpu.matmul(&xc, &wc).expect("cpu matmul");
-            let yg = p.gpu.matmul(&xg, &wg).expect("gpu matmul");
-            let (g, c) = p.get(&yc, &yg);
-            close(
-                &format!("matmul {dt} t={t} k={k} n={n}"),
-                &g,
-                &c,
-                1e-4 * (k as f32).sqrt(),
-                1e-4,
-            );
+            for t in [1usize, 2, 3, 4, 5, 8, 9, 33] {
+                let x = rnd(&mut rng, t * k, 1.0);
+                let (xc, xg) = p.t(&x, &[t, k]);
+                let yc = p.cpu.matmul(&xc, &wc).expect("cpu matmul");
+                let yg = p.gpu.matmul(&xg, &wg).expect("gpu matmul");
+                let (g, c) = p.get(&yc, &yg);
+                assert_eq!(g.len(), t * n);
+                let what = format!("matmul {dt} t={t} n={n} k={k}");
+                let mut worst = 0f32;
+                for ti in 0..t {
+                    for ni in 0..n {
+                        let scale: f32 = (0..k)
+                            .map(|kk| (wd[ni * k + kk] * x[ti * k + kk]).abs())
+                            .sum();
+                        let (gv, cv) = (g[ti * n + ni], c[ti * n + ni]);
+                        let err = (gv - cv).abs();
+                        assert!(
+                            gv.is_finite() && err <= 1e-4 * scale + 1e-30,
+                            "{what}: ({ti}, {ni}): gpu {gv} cpu {cv} (err {err}, scale {scale})"
+                        );
+                        if scale > 0.0 {
+                            worst = worst.max(err / scale);
+                        }
+                    }
+                }
+                assert!(c.iter().any(|v| *v != 0.0), "{what}: all-zero reference");
+                eprintln!("{what}: max err / sum|wx| {worst:.2e}");
+            }
         }
     }
+}
+
+/// Raw blobs covering every code of each quantized format (fp8: every non-NaN byte, incl.
+/// subnormals; q8: every int8; q4: every nibble) with f16 scales incl. subnormal and negative ones.
+fn all_codes_blob(dt: WeightDType, n: usize, k: usize, rng: &mut StdRng) -> Vec<u8> {
+    let l = kvstream_memory_contracts::quant_layout(dt, &[n, k]).expect("layout");
+    let mut b = vec![0u8; l.total];
+    let code_bytes = match dt {
+        WeightDType::Q4G128 => n * k / 2,
+        _ => n * k,
+    };
+    let fp8_codes: Vec<u8> = (0u8..=255).filter(|c| *c & 0x7f != 0x7f).collect();
+    for (i, v) in b[..code_bytes].iter_mut().enumerate() {
+        *v = match dt {
+            WeightDType::F8E4M3 => fp8_codes[(i * 7 + i / 251) % fp8_codes.len()],
+            _ => (i * 13 + i / 256) as u8,
+        };
+    }
+    let groups = n * l.groups_per_row();
+    for g in 0..groups {
+        let at = l.scales_offset;
+        match dt {
+            WeightDType::F8E4M3 => {
+                let s: f32 = match g % 5 {
+                    0 => 1e-3,
+                    1 => 3.7e-7,
+                    _ => rng.random_range(0.01f32..4.0),
+                };
+                b[at + 4 * g..at + 4 * g + 4].copy_from_slice(&s.to_le_bytes());
+            }
+            _ => {
+                let s = match g % 5 {
+                    0 => f16::from_bits(0x0003), // subnormal
+                    1 => f16::from_f32(-0.0123),
+                    _ => f16::from_f32(rng.random_range(0.001f32..0.5)),
+                };
+                b[at + 2 * g..at + 2 * g + 2].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+    }
+    b
+}
+
+/// The dequantised weight values the kernels use are exactly the contract's: one-hot activations
+/// make each output a single product (w · 1 plus exact zeros), through the GEMV (8 rows at a time)
+/// and the GEMM (the identity as x, T = K).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_decodes_every_code_exactly() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k) = (24usize, 256usize);
+    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        let blob = all_codes_blob(dt, n, k, &mut rng);
+        let want = deq(dt, &blob, &[n, k]);
+        assert!(want.iter().all(|v| v.is_finite()));
+        let wg = p
+            .gpu
+            .load_weight("w", dt, &[n, k], WeightData::from_vec(blob))
+            .expect("gpu weight");
+        let check = |y: &[f32], rows: &[usize], path: &str| {
+            for (ti, &kk) in rows.iter().enumerate() {
+                for ni in 0..n {
+                    let (g, w) = (y[ti * n + ni], want[ni * k + kk]);
+                    assert!(g == w, "{dt} {path}: w[{ni}][{kk}]: gpu {g:e} want {w:e}");
+                }
+            }
+        };
+        for k0 in (0..k).step_by(8) {
+            let rows: Vec<usize> = (k0..k0 + 8).collect();
+            let mut x = vec![0f32; 8 * k];
+            for (ti, &kk) in rows.iter().enumerate() {
+                x[ti * k + kk] = 1.0;
+            }
+            let xg = p.gpu.tensor_from_f32(&x, &[8, k]).expect("x");
+            let y = p
+                .gpu
+                .tensor_to_f32(&p.gpu.matmul(&xg, &wg).expect("gemv"))
+                .expect("y");
+            check(&y, &rows, "gemv");
+        }
+        let mut eye = vec![0f32; k * k];
+        for i in 0..k {
+            eye[i * k + i] = 1.0;
+        }
+        let xg = p.gpu.tensor_from_f32(&eye, &[k, k]).expect("x");
+        let y = p
+            .gpu
+            .tensor_to_f32(&p.gpu.matmul(&xg, &wg).expect("gemm"))
+            .expect("y");
+        let rows: Vec<usize> = (0..k).collect();
+        check(&y, &rows, "gemm");
+    }
+}
+
+/// Row t of a T-row GEMV is bit-identical for every T in 1..=8 (MTP verification relies on it),
+/// for every dtype, on the split-K, plain and scalar paths.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemv_rows_are_bit_identical_for_every_width() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(12);
+    for dt in WeightDType::ALL {
+        for (n, k) in shapes_for(dt) {
+            let w = heavy(&mut rng, n * k, 0.5);
+            let (_, wg) = p.w(&w, &[n, k], dt);
+            let x = rnd(&mut rng, 8 * k, 1.0);
+            let run = |rows: &[f32], t: usize| -> Vec<u32> {
+                let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
+                let y = p.gpu.matmul(&xg, &wg).expect("gemv");
+                let y = p.gpu.tensor_to_f32(&y).expect("y");
+                y.iter().map(|v| v.to_bits()).collect()
+            };
+            let full = run(&x, 8);
+            for t in 1..=8 {
+                let part = run(&x[..t * k], t);
+                assert_eq!(
+                    part[..],
+                    full[..t * n],
+                    "{dt} [{n}x{k}]: T={t} differs from T=8"
+                );
+                let one = run(&x[(t - 1) * k..t * k], 1);
+                assert_eq!(
+                    one[..],
+                    full[(t - 1) * n..t * n],
+                    "{dt} [{n}x{k}]: row {} alone differs",
+                    t - 1
+                );
+            }
+        }
+    }
+}
+
+/// Embedding rows of quantized tables: exactly the CPU's (and the contract's) dequantised rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn embedding_of_quantized_tables_matches_cpu() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(13);
+    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        let hs: &[usize] = if dt == WeightDType::F8E4M3 {
+            &[256, 200]
+        } else {
+            &[256, 384]
+        };
+        for &h in hs {
+            let v = 50;
+            let table = heavy(&mut rng, v * h, 1.0);
+            let want_all = deq(dt, &weight_bytes(&table, &[v, h], dt), &[v, h]);
+            let (tc, tg) = p.w(&table, &[v, h], dt);
+            let ids: Vec<u32> = (0..9).map(|_| rng.random_range(0..v as u32)).collect();
+            let (g, c) = p.get(
+                &p.cpu.embedding(&tc, &ids).expect("cpu"),
+                &p.gpu.embedding(&tg, &ids).expect("gpu"),
+            );
+            assert_eq!(g, c, "embedding {dt} h={h} must equal the CPU");
+            for (i, id) in ids.iter().enumerate() {
+                let row = &want_all[*id as usize * h..(*id as usize + 1) * h];
+                assert_eq!(&g[i * h..(i + 1) * h], row, "embedding {dt} h={h} id {id}");
+            }
+            assert!(p.gpu.embedding(&tg, &[v as u32]).is_err());
+        }
+    }
+}
+
+/// A quantized weight whose byte length does not match its layout is refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn load_weight_checks_quantized_lengths() {
+    let b = gpu();
+    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        let need = dt.storage_bytes(&[4, 256]).expect("bytes");
+        assert!(b
+            .load_weight("w", dt, &[4, 256], WeightData::from_vec(vec![1u8; need]))
+            .is_ok());
+        assert!(b
+            .load_weight(
+                "w",
+                dt,
+                &[4, 256],
+                WeightData::from_vec(vec![1u8; need - 1])
+            )
+            .is_err());
+    }
+    // K not a multiple of the group.
+    assert!(b
+        .load_weight(
+            "w",
+            WeightDType::Q4G128,
+            &[4, 96],
+            WeightData::from_vec(vec![0u8; 4096])
+        )
+        .is_err());
 }
 
 #[test]

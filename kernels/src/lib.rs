@@ -65,7 +65,29 @@ pub const MODULES: &[KernelModule] = &[
     KernelModule {
         module: "linear",
         source: include_str!("cu/linear.cu"),
-        kernels: &["gemv_f32out", "gemm_f32out"],
+        kernels: &[
+            "gemv_f32_t1",
+            "gemv_f32_t4",
+            "gemv_f32_t8",
+            "gemv_f16_t1",
+            "gemv_f16_t4",
+            "gemv_f16_t8",
+            "gemv_bf16_t1",
+            "gemv_bf16_t4",
+            "gemv_bf16_t8",
+            "gemv_q8_0_t1",
+            "gemv_q8_0_t4",
+            "gemv_q8_0_t8",
+            "gemv_q4g128_t1",
+            "gemv_q4g128_t4",
+            "gemv_q4g128_t8",
+            "gemv_f8e4m3_t1",
+            "gemv_f8e4m3_t4",
+            "gemv_f8e4m3_t8",
+            "gemv_scalar",
+            "gemm_f32out",
+            "embedding_rows_q",
+        ],
     },
     KernelModule {
         module: "recurrent",
@@ -85,7 +107,7 @@ pub const MODULES: &[KernelModule] = &[
     KernelModule {
         module: "attention",
         source: include_str!("cu/attention.cu"),
-        kernels: &["attn_accumulate", "attn_finish"],
+        kernels: &["attn_accumulate", "attn_accumulate_q8q4", "attn_finish"],
     },
     KernelModule {
         module: "bench",
@@ -104,12 +126,25 @@ pub mod launch {
     pub const CONV_MAX_K: usize = 8;
     /// Largest `k_dim` of the gated delta rule kernel (8 slices × 32 registers).
     pub const GDN_MAX_K_DIM: usize = 256;
-    /// Tokens per attention tile (the unit of split ownership).
-    pub const ATT_TILE: usize = 128;
+    /// Granule of attention split ownership: the evaluation's tokens form 64-token chunks dealt
+    /// round robin over the splits (chunk `c` belongs to split `c % n_splits`); a multiple of the
+    /// fast kernel's chunk and of every generic unit (`ATT_CHUNK` in attention.cu).
+    pub const ATT_TILE: usize = 64;
     /// Queries per attention block (decode widths 1..=4 read each K/V tile once).
     pub const ATT_QW: usize = 4;
-    /// Threads per attention block.
+    /// Threads per block of the generic attention kernel (`attn_accumulate`).
     pub const ATT_THREADS: usize = 256;
+    /// Most splits of one evaluation (`attn_finish` holds one weight per split in shared memory).
+    pub const ATT_MAX_SPLITS: usize = 64;
+    /// Tokens per chunk of the fast Q8_0/Q4_0 decode kernel (`attn_accumulate_q8q4`, `FA_CHUNK`);
+    /// pages must hold at least this many tokens for the fast kernel.
+    pub const ATT_FAST_CHUNK: usize = 64;
+    /// Threads per block of the fast kernel (4 warps, `FA_THREADS`).
+    pub const ATT_FAST_THREADS: usize = 128;
+    /// Most query rows (group × width) of one fast-kernel block (`FA_ROWS`).
+    pub const ATT_FAST_ROWS: usize = 32;
+    /// f32 stride of one score row in the fast kernel's shared memory (`FA_SROW`).
+    pub const ATT_FAST_SROW: usize = 68;
 }
 
 /// Finds the module that defines `kernel`.

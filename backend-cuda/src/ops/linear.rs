@@ -1,5 +1,12 @@
 //! `LinearOps`: weight upload, embedding gather and matmul (GEMV for decode, tiled GEMM for
-//! prefill; own kernels reading bf16/f16/f32 weights with f32 accumulation).
+//! prefill; own kernels reading f32/f16/bf16 and the quantized q8_0 / q4_g128 / fp8_e4m3 layouts
+//! of `memory_contracts::weight_format`, dequantised in registers, f32 accumulation).
+//!
+//! The GEMV (≤ 8 rows) reads every weight byte once for all rows, streaming 16-byte chunks through
+//! a per-warp cp.async ring in shared memory; row t of its result is bit-identical for every T in
+//! 1..=8 (see [`plan`] and linear.cu).
+
+mod plan;
 
 use crate::launch::args;
 use crate::types::dtype_code;
@@ -9,6 +16,18 @@ use kvstream_kernels::launch::{GEMM_TILE, GEMV_MAX_T};
 use kvstream_memory_contracts::backend::{DeviceTensor, WeightDType};
 use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::ops::{LinearOps, WeightData};
+use kvstream_memory_contracts::quant_layout;
+use plan::{gemv_plan, GemvPlan, GV_WARPS, SCALAR_WARPS};
+
+/// Byte offset of the scales of a quantized weight (0 for element dtypes, whose kernels ignore it).
+fn scales_offset(op: &'static str, w: &CudaWeight) -> Result<u64, OpError> {
+    if !w.dtype.is_quantized() {
+        return Ok(0);
+    }
+    let layout = quant_layout(w.dtype, &w.dims)
+        .map_err(|e| OpError::shape(op, format!("weight `{}`: {e}", w.name)))?;
+    Ok(layout.scales_offset as u64)
+}
 
 impl LinearOps for CudaBackend {
     fn load_weight(
@@ -18,15 +37,15 @@ impl LinearOps for CudaBackend {
         dims: &[usize],
         data: WeightData,
     ) -> Result<CudaWeight, OpError> {
-        let _span = tracing::debug_span!("load_weight", name, bytes = data.len).entered();
-        let n: usize = dims.iter().product();
-        let expected = n.checked_mul(dtype.size());
-        if expected != Some(data.len) {
+        let _span = tracing::debug_span!("load_weight", name, %dtype, bytes = data.len).entered();
+        let expected = dtype
+            .storage_bytes(dims)
+            .map_err(|e| OpError::shape("load_weight", format!("`{name}`: {e}")))?;
+        if expected != data.len {
             return Err(OpError::shape(
                 "load_weight",
                 format!(
-                    "`{name}`: {dtype} {dims:?} needs {} bytes, got {}",
-                    expected.map_or_else(|| "too many".to_string(), |e| e.to_string()),
+                    "`{name}`: {dtype} {dims:?} needs {expected} bytes, got {}",
                     data.len
                 ),
             ));
@@ -68,15 +87,6 @@ impl LinearOps for CudaBackend {
             return Ok(out);
         }
         let ids_dev = self.upload(ids, "ids")?;
-        let f = self.func("embedding_gather")?;
-        let (tp, dt, ip, n, hh, op) = (
-            table.ptr(),
-            dtype_code(table.dtype),
-            ids_dev.ptr(),
-            ids.len() as u64,
-            h as u64,
-            out.ptr(),
-        );
         let cfg = LaunchConfig {
             grid_dim: (
                 h.div_ceil(256).min(1024) as u32,
@@ -86,8 +96,25 @@ impl LinearOps for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut a = args![&tp, &dt, &ip, &n, &hh, &op];
-        self.launch("embedding", f, cfg, &mut a)?;
+        let (tp, dt, ip, n, hh, op) = (
+            table.ptr(),
+            dtype_code(table.dtype),
+            ids_dev.ptr(),
+            ids.len() as u64,
+            h as u64,
+            out.ptr(),
+        );
+        if table.dtype.is_quantized() {
+            // Dequantises only the requested rows, to the CPU's exact values.
+            let soff = scales_offset("embedding", table)?;
+            let f = self.func("embedding_rows_q")?;
+            let mut a = args![&tp, &dt, &ip, &n, &hh, &soff, &op];
+            self.launch("embedding", f, cfg, &mut a)?;
+        } else {
+            let f = self.func("embedding_gather")?;
+            let mut a = args![&tp, &dt, &ip, &n, &hh, &op];
+            self.launch("embedding", f, cfg, &mut a)?;
+        }
         Ok(out)
     }
 
@@ -109,41 +136,60 @@ impl LinearOps for CudaBackend {
             ));
         }
         let t = x.numel() / k;
-        let _span = tracing::trace_span!("matmul", t, n, k).entered();
+        let _span = tracing::trace_span!("matmul", t, n, k, dtype = %w.dtype).entered();
         let out = self.tensor_uninit(&[t, n])?;
         if t == 0 || n == 0 {
             return Ok(out);
         }
+        let soff = scales_offset("matmul", w)?;
         let (xp, wp, dt, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), out.ptr());
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
-            let f = self.func("gemv_f32out")?;
             let t32 = t as i32;
-            let vec = i32::from(k % 8 == 0 && w.dtype != WeightDType::F32);
-            let warps = 8u32;
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(warps as usize) as u32, 1, 1),
-                block_dim: (warps * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut a = args![&xp, &wp, &dt, &yp, &t32, &k64, &n64, &vec];
-            self.launch("gemv", f, cfg, &mut a)?;
+            let too_big = || OpError::shape("matmul", format!("{n} output rows is too many"));
+            match gemv_plan(w.dtype, dt as usize, t, n, k, wp).ok_or_else(too_big)? {
+                GemvPlan::Vector {
+                    name,
+                    split,
+                    blocks,
+                } => {
+                    let f = self.func(name)?;
+                    let split32 = split as i32;
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks, 1, 1),
+                        block_dim: ((GV_WARPS * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut a = args![&xp, &wp, &yp, &t32, &k64, &n64, &soff, &split32];
+                    self.launch("gemv", f, cfg, &mut a)?;
+                }
+                GemvPlan::Scalar { blocks } => {
+                    let f = self.func("gemv_scalar")?;
+                    let cfg = LaunchConfig {
+                        grid_dim: (blocks, 1, 1),
+                        block_dim: ((SCALAR_WARPS * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut a = args![&xp, &wp, &dt, &yp, &t32, &k64, &n64, &soff];
+                    self.launch("gemv", f, cfg, &mut a)?;
+                }
+            }
         } else {
+            if t.div_ceil(GEMM_TILE) > 65_535 {
+                return Err(OpError::shape("matmul", format!("{t} rows is too many")));
+            }
             let f = self.func("gemm_f32out")?;
             let t64 = t as u64;
             let cfg = LaunchConfig {
                 grid_dim: (
                     n.div_ceil(GEMM_TILE) as u32,
-                    t.div_ceil(GEMM_TILE).min(65_535) as u32,
+                    t.div_ceil(GEMM_TILE) as u32,
                     1,
                 ),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            if t.div_ceil(GEMM_TILE) > 65_535 {
-                return Err(OpError::shape("matmul", format!("{t} rows is too many")));
-            }
-            let mut a = args![&xp, &wp, &dt, &yp, &t64, &k64, &n64];
+            let mut a = args![&xp, &wp, &dt, &yp, &t64, &k64, &n64, &soff];
             self.launch("gemm", f, cfg, &mut a)?;
         }
         Ok(out)

@@ -1,7 +1,7 @@
 //! `NormOps`, `PositionOps`, `ActivationOps` and `SamplingOps`.
 
 use crate::launch::{args, dev, grid1d};
-use crate::types::dtype_code;
+use crate::types::elementwise_dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::{result, LaunchConfig};
 use kvstream_memory_contracts::backend::DeviceTensor;
@@ -43,7 +43,13 @@ impl NormOps for CudaBackend {
             return Ok(out);
         }
         let f = self.func("rms_norm_f32")?;
-        let (xp, wp, dt, d64, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), d as u64, out.ptr());
+        let (xp, wp, dt, d64, yp) = (
+            x.ptr(),
+            w.ptr(),
+            elementwise_dtype_code("rms_norm", w.dtype)?,
+            d as u64,
+            out.ptr(),
+        );
         let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp];
         self.launch("rms_norm", f, row_cfg(rows), &mut a)?;
         Ok(out)
@@ -67,7 +73,7 @@ impl NormOps for CudaBackend {
             x.ptr(),
             z.ptr(),
             w.ptr(),
-            dtype_code(w.dtype),
+            elementwise_dtype_code("gated_rms_norm", w.dtype)?,
             d as u64,
             out.ptr(),
         );

@@ -4,7 +4,7 @@
 //! arithmetic; a chunked WY kernel for long prefills is future work).
 
 use crate::launch::{args, grid1d};
-use crate::types::dtype_code;
+use crate::types::elementwise_dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::LaunchConfig;
 use kvstream_kernels::launch::{CONV_MAX_K, GDN_MAX_K_DIM};
@@ -62,7 +62,7 @@ impl RecurrentOps for CudaBackend {
         let (xp, wp, dt, sp, yp, t64, c64, k32) = (
             x.ptr(),
             w.ptr(),
-            dtype_code(w.dtype),
+            elementwise_dtype_code("causal_conv1d", w.dtype)?,
             state.ptr(),
             out.ptr(),
             t as u64,
@@ -162,8 +162,8 @@ impl RecurrentOps for CudaBackend {
                 b.ptr(),
                 a_log.ptr(),
                 dt_bias.ptr(),
-                dtype_code(a_log.dtype),
-                dtype_code(dt_bias.dtype),
+                elementwise_dtype_code("gated_delta_rule", a_log.dtype)?,
+                elementwise_dtype_code("gated_delta_rule", dt_bias.dtype)?,
                 beta.ptr(),
                 g.ptr(),
                 s.tokens as u64,

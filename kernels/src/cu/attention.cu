@@ -1,26 +1,40 @@
 // Streamed attention over span plans: one walk in token order, one final combine.
 //
-// The token range is split by token index into a FIXED number of splits per evaluation: split s owns
-// every 128-token tile t with t % n_splits == s. Each split keeps its own (max, sum, acc[head_dim])
-// per query row in the state tensor [n_splits, width, q_heads, head_dim + 2] and processes its tokens
-// in token order in units of `unit` tokens (unit divides the page size and 128, so no unit straddles
-// a span or a wave). The arithmetic therefore does not depend on how tokens are spread over resident
-// pages, ring slots or waves: streamed == resident bit for bit. attn_finish combines the splits once.
+// Split ownership (both accumulate kernels): the evaluation's tokens are cut into 64-token chunks
+// (chunk c = tokens [64c, min(64c + 64, total))) dealt round robin over a FIXED number of splits
+// n_splits (chosen from the shape only, n_splits <= number of chunks): split s owns the chunks
+// c with c % n_splits == s, INTERLEAVED, so any span of >= 64 * n_splits tokens keeps every split
+// (block) busy — a streamed ring wave fills the GPU as well as a resident walk. Each split keeps its
+// own (max, sum, acc[head_dim]) per query row in the state tensor
+// [n_splits, width, q_heads, head_dim + 2] and walks its chunks in increasing token order, each in
+// fixed units aligned to their own size (a unit never straddles a span: spans start on page
+// boundaries and units divide both 64 and the page size). The launch that processes a split's
+// first token (token 64s, in chunk s) starts that split's state fresh (max = -inf, sum = 0,
+// acc = 0); later launches continue it from global memory (f32, exact); a launch whose span holds
+// none of a split's tokens leaves the block at once without touching its state. So the arithmetic
+// depends only on token indices, never on how tokens are spread over resident pages, ring slots or
+// waves: streamed == resident bit for bit. attn_finish combines the splits once.
 //
-// Grid: (kv_heads, n_splits, ceil(width / 4)); block: 256 threads. One block reads each K/V unit once
-// for all query heads of its GQA group and up to 4 queries (decode widths 1..=4 in one kernel).
-// Dynamic shared memory: qs[R][D] ks[U][D+1] (padded: no bank conflicts) vs[U][D] acc[R][D] sc[R][U] m[R] l[R] alpha[R],
-// R = group * qw.
-
-#define ATT_TILE 128
-#define ATT_QW 4
+// Scores live in the log2 domain (the scale passed in is softmax_scale * log2(e)) and use exp2f;
+// the state's max is therefore a log2-domain max, which attn_finish also uses.
 
 struct AttnGeo {
     int q_heads, kv_heads, head_dim, width, total;
-    float scale;
+    float scale_log2;
     int k_type, v_type, tpp;
     u64 page_bytes, k_row_bytes, v_row_bytes, k_head_bytes, v_head_bytes, v_plane_off;
 };
+
+// ------------------------------------------------------------------------------------------------
+// Generic path (every K/V format pair, any width, any head_dim / group size that fits).
+//
+// Grid: (kv_heads, n_splits, ceil(width / 4)); block: 256 threads. One block reads each K/V unit once
+// for all query heads of its GQA group and up to 4 queries. Dynamic shared memory:
+// qs[R][D] ks[U][D+1] (padded: no bank conflicts) vs[U][D] acc[R][D] sc[R][U] m[R] l[R] alpha[R],
+// R = group * qw.
+
+#define ATT_QW 4
+#define ATT_CHUNK 64
 
 extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float* state, AttnGeo geo,
                                            u64 span_offset, int span_first, int span_count, int n_splits,
@@ -33,6 +47,17 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
     const int qw = min(ATT_QW, geo.width - qi0);
     const int R = G * qw;
     const int U = unit;
+    // This split's chunks inside this span: chunks [clo, chi) hold the span's tokens
+    // [span_first, end); the split's first one is cfirst (block-uniform: an empty block leaves at
+    // once, state untouched). A chunk may straddle spans when pages hold < 64 tokens.
+    const int end = min(span_first + span_count, geo.total);
+    if (end <= span_first) return;
+    const int clo = span_first / ATT_CHUNK;
+    const int chi = (end + ATT_CHUNK - 1) / ATT_CHUNK;
+    const int cfirst = clo + (split - clo % n_splits + n_splits) % n_splits;
+    if (cfirst >= chi) return;
+    // Fresh iff this launch processes the split's first token, 64 * split.
+    const bool fresh = max(cfirst * ATT_CHUNK, span_first) == split * ATT_CHUNK;
     float* qs = smem;
     float* ks = qs + R * D;
     const int KP = D + 1;
@@ -43,92 +68,90 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
     float* lrow = mrow + R;
     float* arow = lrow + R;
     const int rowlen = D + 2;
-    // Row r ↔ query qi0 + r / G, head kvh * G + r % G.
+    // Row r <-> query qi0 + r / G, head kvh * G + r % G.
     for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
         int r = e / D, d = e % D;
         int qi = qi0 + r / G, head = kvh * G + r % G;
         qs[e] = q[((u64)qi * geo.q_heads + head) * D + d];
         const float* st = state + (((u64)split * geo.width + qi) * geo.q_heads + head) * rowlen;
-        acc[e] = st[2 + d];
+        acc[e] = fresh ? 0.0f : st[2 + d];
     }
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         int qi = qi0 + r / G, head = kvh * G + r % G;
         const float* st = state + (((u64)split * geo.width + qi) * geo.q_heads + head) * rowlen;
-        mrow[r] = st[0];
-        lrow[r] = st[1];
+        mrow[r] = fresh ? NEG_INF : st[0];
+        lrow[r] = fresh ? 0.0f : st[1];
     }
     __syncthreads();
-    const int span_end = span_first + span_count;
-    // Units in token order; the first unit of the first owned tile at or after span_first.
-    for (int u0 = span_first; u0 < span_end; u0 += U) {
-        if ((u0 / ATT_TILE) % n_splits != split) {
-            // Skip to the next tile boundary.
-            int next_tile = (u0 / ATT_TILE + 1) * ATT_TILE;
-            u0 = next_tile - U;
-            continue;
-        }
-        const int cnt = min(U, span_end - u0);
-        // Dequantise the unit's K and V head rows into shared memory.
-        for (int e = threadIdx.x; e < cnt * D; e += blockDim.x) {
-            int j = e / D, d = e % D;
-            int rel = u0 + j - span_first;
-            u64 page = (u64)(rel / geo.tpp), slot = (u64)(rel % geo.tpp);
-            const u8* kp = pool + span_offset + page * geo.page_bytes + slot * geo.k_row_bytes + kvh * geo.k_head_bytes;
-            const u8* vp = pool + span_offset + page * geo.page_bytes + geo.v_plane_off + slot * geo.v_row_bytes +
-                           kvh * geo.v_head_bytes;
-            ks[j * KP + d] = kv_load(kp, geo.k_type, d);
-            vs[e] = kv_load(vp, geo.v_type, d);
-        }
-        __syncthreads();
-        // Scores with the causal mask: query qi sees tokens <= total - width + qi.
-        for (int e = threadIdx.x; e < R * U; e += blockDim.x) {
-            int r = e / U, j = e % U;
-            int qi = qi0 + r / G;
-            int tok = u0 + j;
-            float s = NEG_INF;
-            if (j < cnt && tok <= geo.total - geo.width + qi) {
-                const float* qr = qs + r * D;
-                const float* kr = ks + j * KP;
-                float dot = 0.0f;
-                for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
-                s = dot * geo.scale;
+    // The split's chunks in token order, each in units of U tokens; every unit start is a multiple
+    // of U (chunk starts are multiples of 64, span_first of the page size, and U divides both).
+    for (int c = cfirst; c < chi; c += n_splits) {
+        const int ulo = max(c * ATT_CHUNK, span_first);
+        const int uhi = min(c * ATT_CHUNK + ATT_CHUNK, end);
+        for (int u0 = ulo; u0 < uhi; u0 += U) {
+            const int cnt = min(U, uhi - u0);
+            // Dequantise the unit's K and V head rows into shared memory.
+            for (int e = threadIdx.x; e < cnt * D; e += blockDim.x) {
+                int j = e / D, d = e % D;
+                int rel = u0 + j - span_first;
+                u64 page = (u64)(rel / geo.tpp), slot = (u64)(rel % geo.tpp);
+                const u8* kp = pool + span_offset + page * geo.page_bytes + slot * geo.k_row_bytes + kvh * geo.k_head_bytes;
+                const u8* vp = pool + span_offset + page * geo.page_bytes + geo.v_plane_off + slot * geo.v_row_bytes +
+                               kvh * geo.v_head_bytes;
+                ks[j * KP + d] = kv_load(kp, geo.k_type, d);
+                vs[e] = kv_load(vp, geo.v_type, d);
             }
-            sc[e] = s;
-        }
-        __syncthreads();
-        // Online softmax update per row.
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            float mu = NEG_INF;
-            for (int j = 0; j < U; j++) mu = fmaxf(mu, sc[r * U + j]);
-            if (mu == NEG_INF) {
-                // Fully masked unit for this row: no contribution, state unchanged.
-                for (int j = 0; j < U; j++) sc[r * U + j] = 0.0f;
-                arow[r] = 1.0f;
-                continue;
+            __syncthreads();
+            // Scores (log2 domain) with the causal mask: query qi sees tokens <= total - width + qi.
+            for (int e = threadIdx.x; e < R * U; e += blockDim.x) {
+                int r = e / U, j = e % U;
+                int qi = qi0 + r / G;
+                int tok = u0 + j;
+                float s = NEG_INF;
+                if (j < cnt && tok <= geo.total - geo.width + qi) {
+                    const float* qr = qs + r * D;
+                    const float* kr = ks + j * KP;
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
+                    s = dot * geo.scale_log2;
+                }
+                sc[e] = s;
             }
-            float mo = mrow[r];
-            float mn = fmaxf(mo, mu);
-            float alpha = mo == NEG_INF ? 0.0f : expf(mo - mn);
-            float sum = 0.0f;
-            for (int j = 0; j < U; j++) {
-                float s = sc[r * U + j];
-                float p = s == NEG_INF ? 0.0f : expf(s - mn);
-                sc[r * U + j] = p;
-                sum += p;
+            __syncthreads();
+            // Online softmax update per row.
+            for (int r = threadIdx.x; r < R; r += blockDim.x) {
+                float mu = NEG_INF;
+                for (int j = 0; j < U; j++) mu = fmaxf(mu, sc[r * U + j]);
+                if (mu == NEG_INF) {
+                    // Fully masked unit for this row: no contribution, state unchanged.
+                    for (int j = 0; j < U; j++) sc[r * U + j] = 0.0f;
+                    arow[r] = 1.0f;
+                    continue;
+                }
+                float mo = mrow[r];
+                float mn = fmaxf(mo, mu);
+                float alpha = mo == NEG_INF ? 0.0f : exp2f(mo - mn);
+                float sum = 0.0f;
+                for (int j = 0; j < U; j++) {
+                    float s = sc[r * U + j];
+                    float p = s == NEG_INF ? 0.0f : exp2f(s - mn);
+                    sc[r * U + j] = p;
+                    sum += p;
+                }
+                lrow[r] = lrow[r] * alpha + sum;
+                mrow[r] = mn;
+                arow[r] = alpha;
             }
-            lrow[r] = lrow[r] * alpha + sum;
-            mrow[r] = mn;
-            arow[r] = alpha;
+            __syncthreads();
+            for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+                int r = e / D, d = e % D;
+                float a = arow[r];
+                float s = acc[e] * a;
+                for (int j = 0; j < cnt; j++) s += sc[r * U + j] * vs[j * D + d];
+                acc[e] = s;
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
-            int r = e / D, d = e % D;
-            float a = arow[r];
-            float s = acc[e] * a;
-            for (int j = 0; j < cnt; j++) s += sc[r * U + j] * vs[j * D + d];
-            acc[e] = s;
-        }
-        __syncthreads();
     }
     for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
         int r = e / D, d = e % D;
@@ -144,26 +167,525 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
     }
 }
 
-// out[qi, head * D + d] = Σ_s acc_s e^{m_s - M} / Σ_s l_s e^{m_s - M}. One block per (query, head).
+// ------------------------------------------------------------------------------------------------
+// Fast decode path: Q8_0 K / Q4_0 V, head_dim in {64, 128, 256}, width <= 4,
+// R = group * width <= 32 query rows, pages of >= 64 tokens. Tensor cores (mma.sync m16n8k16, f16
+// inputs, f32 accumulation) with exact operands:
+//
+// * Q8_0 K values are int8 (exact in f16); the query (times scale * log2 e) is split into
+//   hi = f16(x) and lo = f16(x - hi) (about 22 significant bits) and both are multiplied, so
+//   S = sum_b kscale(t, b) * (Kint8_b . (Qhi + Qlo)_b) in f32 (one accumulator per 32-value block,
+//   scaled by the block's K scale).
+// * Q4_0 V values (nibble - 8) are exact in f16; the block's V scale folds into the probabilities:
+//   B = p * vscale(t, b), split hi/lo the same way.
+//
+// Grid: (kv_heads, n_splits); block: 128 threads = 4 warps; one block = one (KV head, split) and all
+// R query rows of the group, so each K/V byte is read from HBM once for all queries. The split's
+// chunks (every n_splits-th 64-token chunk, 64-aligned, inside one page) are walked in token order,
+// double buffered with cp.async:
+//
+//   wait chunk c; sync; issue chunk c+1 into the other buffer;
+//   phase 1 (QK):  warp w: tokens 16w..16w+15 of the chunk x all rows -> scores sS[row][token]
+//   sync
+//   phase 2 (softmax): warp w, lane (rs = lane/4, part = lane%4): row 8w+rs, tokens part+4i;
+//                  new max, alpha, p = exp2(s - max), sum; P overwrites S; state m, l, alpha in smem
+//   sync
+//   phase 3 (PV):  warp w: dims [w*D/4, (w+1)*D/4) x all rows, over the 64 tokens;
+//                  acc (registers, MMA layout) = acc * alpha + V^T P^T
+//
+// Every step is a fixed function of the chunk's token indices and contents, processed in token
+// order, so layout independence holds exactly as for the generic path.
+//
+// Dynamic shared memory (bytes): kbuf[2][64][KHB] vbuf[2][64][VHB] qf[D/16][NT][32] (uint4)
+// sS[32][FA_SROW] (f32) sM[32] sL[32] sA[32]  (KHB = D/32*34, VHB = D/32*18, NT = ceil(R/8)).
+
+#define FA_CHUNK 64
+#define FA_THREADS 128
+#define FA_ROWS 32
+#define FA_SROW 68
+
+__device__ __forceinline__ u32 fa_smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void fa_cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(fa_smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void fa_cp4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(fa_smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void fa_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Packs f16(lo_val) into the low half and f16(hi_val) into the high half (round to nearest even).
+__device__ __forceinline__ u32 fa_pack(float lo_val, float hi_val) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi_val), "f"(lo_val));
+    return r;
+}
+
+__device__ __forceinline__ u32 fa_hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// x0, x1 -> hi = f16x2(x0, x1), lo = f16x2(x0 - hi0, x1 - hi1): hi + lo carries ~22 bits of x.
+__device__ __forceinline__ void fa_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = fa_pack(x0, x1);
+    float h0 = f16_to_f32((u16)(hi & 0xffffu));
+    float h1 = f16_to_f32((u16)(hi >> 16));
+    lo = fa_pack(x0 - h0, x1 - h1);
+}
+
+// Two consecutive int8 values at p (2-byte aligned) as an exact f16x2 (first value in the low half):
+// f16(1024 + (x ^ 0x80)) - 1152 == x.
+__device__ __forceinline__ u32 fa_q8x2(const u8* p) {
+    const u32 w = (u32)(*(const u16*)p) ^ 0x8080u;
+    // bytes [x0 ^ 0x80, 0x64, x1 ^ 0x80, 0x64] = f16x2(1024 + (x0 ^ 0x80), 1024 + (x1 ^ 0x80)).
+    const u32 h = __byte_perm(w, 0x64646464u, 0x4140);
+    return fa_hsub2(h, 0x64806480u);
+}
+
+// Q4_0 bytes y0 (token t) and y1 (token t+1): lo = exact f16x2 (low(y0) - 8, low(y1) - 8),
+// hi = (high(y0) - 8, high(y1) - 8), using f16(1024 + n) - 1032 == n - 8 for n in 0..15.
+__device__ __forceinline__ void fa_q4pair(u32 y0, u32 y1, u32& lo, u32& hi) {
+    const u32 p = y0 | (y1 << 16);
+    lo = fa_hsub2((p & 0x000f000fu) | 0x64006400u, 0x64086408u);
+    hi = fa_hsub2(((p >> 4) & 0x000f000fu) | 0x64006400u, 0x64086408u);
+}
+
+__device__ __forceinline__ float fa_f16(const u8* p) { return f16_to_f32(*(const u16*)p); }
+
+// D (f32x4) += A (f16 16x16, row) * B (f16 16x8, col).
+__device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Issues the asynchronous copy of `cnt` tokens' K and V head rows (token t of the chunk at
+// ksrc + t * krow, vsrc + t * vrow) into kdst[t][KHB], vdst[t][VHB]. `vec` is the copy width the
+// launcher proved aligned for every address (16, 4, or 1 for plain synchronous byte copies).
+__device__ __forceinline__ void fa_issue(u8* kdst, u8* vdst, const u8* ksrc, const u8* vsrc, int cnt, int KHB,
+                                         int VHB, u64 krow, u64 vrow, int vec) {
+    if (vec == 16) {
+        const int nk = KHB >> 4, nv = VHB >> 4;
+        for (int i = threadIdx.x; i < cnt * nk; i += FA_THREADS) {
+            int t = i / nk, p = i - t * nk;
+            fa_cp16(kdst + t * KHB + p * 16, ksrc + t * krow + p * 16);
+        }
+        for (int i = threadIdx.x; i < cnt * nv; i += FA_THREADS) {
+            int t = i / nv, p = i - t * nv;
+            fa_cp16(vdst + t * VHB + p * 16, vsrc + t * vrow + p * 16);
+        }
+    } else if (vec == 4) {
+        const int nk = KHB >> 2, nv = VHB >> 2;
+        for (int i = threadIdx.x; i < cnt * nk; i += FA_THREADS) {
+            int t = i / nk, p = i - t * nk;
+            fa_cp4(kdst + t * KHB + p * 4, ksrc + t * krow + p * 4);
+        }
+        for (int i = threadIdx.x; i < cnt * nv; i += FA_THREADS) {
+            int t = i / nv, p = i - t * nv;
+            fa_cp4(vdst + t * VHB + p * 4, vsrc + t * vrow + p * 4);
+        }
+    } else {
+        for (int i = threadIdx.x; i < cnt * KHB; i += FA_THREADS) {
+            int t = i / KHB, p = i - t * KHB;
+            kdst[i] = ksrc[t * krow + p];
+        }
+        for (int i = threadIdx.x; i < cnt * VHB; i += FA_THREADS) {
+            int t = i / VHB, p = i - t * VHB;
+            vdst[i] = vsrc[t * vrow + p];
+        }
+    }
+    fa_commit();
+}
+
+template <int NT, int D>
+__device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* __restrict__ pool,
+                                        float* __restrict__ state, const AttnGeo& geo, u64 span_offset,
+                                        int span_first, int span_count, int n_splits, int vec, u8* sm) {
+    constexpr int KHB = D / 32 * 34;
+    constexpr int VHB = D / 32 * 18;
+    constexpr int DW = D / 4;    // dims per warp in phase 3
+    constexpr int MT = DW / 16;  // 16-dim m-tiles per warp in phase 3
+    constexpr int KS = D / 16;   // 16-dim k-steps of QK
+    const int G = geo.q_heads / geo.kv_heads;
+    const int W = geo.width;
+    const int R = G * W;
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+
+    // This split's chunks inside the span [span_first, end): cfirst, cfirst + n_splits, ... < chi.
+    // span_first is 64-aligned (a page boundary; pages hold a power of two >= 64 tokens), so the
+    // chunks lie wholly inside the span and each inside one page. Block-uniform early exit: a
+    // split without a chunk here leaves its state untouched.
+    const int end = min(span_first + span_count, geo.total);
+    if (end <= span_first) return;
+    const int clo = span_first / FA_CHUNK;
+    const int chi = (end + FA_CHUNK - 1) / FA_CHUNK;
+    const int cfirst = clo + (split - clo % n_splits + n_splits) % n_splits;
+    if (cfirst >= chi) return;
+    const bool fresh = cfirst == split;  // this launch holds the split's first chunk
+    const int nchunks = (chi - cfirst + n_splits - 1) / n_splits;
+
+    u8* kbuf = sm;                                        // [2][64][KHB]
+    u8* vbuf = kbuf + 2 * FA_CHUNK * KHB;                 // [2][64][VHB]
+    uint4* qf = (uint4*)(vbuf + 2 * FA_CHUNK * VHB);      // [KS][NT][32]
+    float* sS = (float*)(qf + KS * NT * 32);              // [32][FA_SROW]
+    float* sM = sS + FA_ROWS * FA_SROW;                   // [32]
+    float* sL = sM + FA_ROWS;                             // [32]
+    float* sA = sL + FA_ROWS;                             // [32]
+    const int rowlen = D + 2;
+
+    // Chunk source addresses. A 64-aligned chunk lies inside one page (pages hold a power of two
+    // >= 64 tokens and span_first is a page boundary).
+    const u8* base = pool + span_offset;
+    auto issue = [&](int ci) {
+        const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
+        const int cnt = min(FA_CHUNK, end - c0);
+        const int rel = c0 - span_first;
+        const u64 page = (u64)(rel / geo.tpp), slot = (u64)(rel % geo.tpp);
+        const u8* ks = base + page * geo.page_bytes + slot * geo.k_row_bytes + (u64)kvh * KHB;
+        const u8* vs = base + page * geo.page_bytes + geo.v_plane_off + slot * geo.v_row_bytes + (u64)kvh * VHB;
+        const int b = ci & 1;
+        fa_issue(kbuf + b * FA_CHUNK * KHB, vbuf + b * FA_CHUNK * VHB, ks, vs, cnt, KHB, VHB, geo.k_row_bytes,
+                 geo.v_row_bytes, vec);
+    };
+    issue(0);
+
+    // Query fragments (B operand of QK, k = dim, n = row): entry (ks, nt, lane) holds rows
+    // nt*8 + lane/4, dims ks*16 + 2*(lane%4) + {0, 1, 8, 9}, as {hi(0,1), hi(8,9), lo(0,1), lo(8,9)}.
+    for (int e = tid; e < KS * NT * 32; e += FA_THREADS) {
+        const int ln = e & 31, idx = e >> 5;
+        const int nt = idx % NT, kstep = idx / NT;
+        const int r = nt * 8 + (ln >> 2);
+        const int d = kstep * 16 + (ln & 3) * 2;
+        float x0 = 0.0f, x1 = 0.0f, x8 = 0.0f, x9 = 0.0f;
+        if (r < R) {
+            const float* qr = q + ((u64)(r / G) * geo.q_heads + kvh * G + r % G) * D;
+            x0 = qr[d] * geo.scale_log2;
+            x1 = qr[d + 1] * geo.scale_log2;
+            x8 = qr[d + 8] * geo.scale_log2;
+            x9 = qr[d + 9] * geo.scale_log2;
+        }
+        u32 h0, l0, h1, l1;
+        fa_split(x0, x1, h0, l0);
+        fa_split(x8, x9, h1, l1);
+        qf[e] = make_uint4(h0, h1, l0, l1);
+    }
+    // Row state: m, l in shared memory; alpha defaults to 1 (padding rows are never read out).
+    if (tid < FA_ROWS) {
+        const int r = tid;
+        float m = NEG_INF, l = 0.0f;
+        if (r < R && !fresh) {
+            const float* st = state + (((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+            m = st[0];
+            l = st[1];
+        }
+        sM[r] = m;
+        sL[r] = l;
+        sA[r] = 1.0f;
+    }
+    // Accumulators in the MMA C layout of O^T (m = dim, n = row): acc[mt][nt][0..3] =
+    // (dim d0+g, row nt*8+2tq), (d0+g, +1), (d0+g+8, nt*8+2tq), (d0+g+8, +1), d0 = w*DW + mt*16.
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int d = w * DW + mt * 16 + g + (i >> 1) * 8;
+                const int r = nt * 8 + 2 * tq + (i & 1);
+                float v = 0.0f;
+                if (!fresh && r < R) {
+                    v = state[(((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d];
+                }
+                acc[mt][nt][i] = v;
+            }
+        }
+    }
+
+    const int lim0 = geo.total - W;  // query qi sees tokens <= lim0 + qi
+    for (int ci = 0; ci < nchunks; ci++) {
+        const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
+        const int cnt = min(FA_CHUNK, end - c0);
+        fa_wait_all();
+        __syncthreads();  // chunk ci visible to all; everyone is done with chunk ci-1's buffers
+        if (ci + 1 < nchunks) issue(ci + 1);
+        const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
+        const u8* vb = vbuf + (ci & 1) * FA_CHUNK * VHB;
+
+        // ---- phase 1: S[row][token] for tokens 16w + g and 16w + g + 8.
+        {
+            float sacc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) sacc[nt][i] = 0.0f;
+            const u8* rowA = kb + (16 * w + g) * KHB;
+            const u8* rowB = rowA + 8 * KHB;
+#pragma unroll 2
+            for (int b = 0; b < D / 32; b++) {
+                const u8* blkA = rowA + b * 34;
+                const u8* blkB = rowB + b * 34;
+                float ch[NT][4], cl[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        ch[nt][i] = 0.0f;
+                        cl[nt][i] = 0.0f;
+                    }
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    const int e = 2 + kk * 16 + tq * 2;
+                    const u32 a0 = fa_q8x2(blkA + e);
+                    const u32 a1 = fa_q8x2(blkB + e);
+                    const u32 a2 = fa_q8x2(blkA + e + 8);
+                    const u32 a3 = fa_q8x2(blkB + e + 8);
+                    const int kstep = b * 2 + kk;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 bq = qf[(kstep * NT + nt) * 32 + lane];
+                        fa_mma(ch[nt], a0, a1, a2, a3, bq.x, bq.y);
+                        fa_mma(cl[nt], a0, a1, a2, a3, bq.z, bq.w);
+                    }
+                }
+                const float sA0 = fa_f16(blkA), sB0 = fa_f16(blkB);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    sacc[nt][0] += sA0 * (ch[nt][0] + cl[nt][0]);
+                    sacc[nt][1] += sA0 * (ch[nt][1] + cl[nt][1]);
+                    sacc[nt][2] += sB0 * (ch[nt][2] + cl[nt][2]);
+                    sacc[nt][3] += sB0 * (ch[nt][3] + cl[nt][3]);
+                }
+            }
+            const int tA = 16 * w + g, tB = tA + 8;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = nt * 8 + 2 * tq + (i & 1);
+                    const int t = (i >> 1) ? tB : tA;
+                    const bool ok = r < R && t < cnt && c0 + t <= lim0 + r / G;
+                    sS[r * FA_SROW + t] = ok ? sacc[nt][i] : NEG_INF;
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i.
+        {
+            const int rs = lane >> 2, part = lane & 3;
+            const int r = w * 8 + rs;
+            float* row = sS + r * FA_SROW;
+            float v[16];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                v[i] = row[part + 4 * i];
+                mx = fmaxf(mx, v[i]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mo = sM[r];
+            const float mn = fmaxf(mo, mx);
+            const bool none = mn == NEG_INF;  // nothing seen yet for this row: state unchanged
+            const float alpha = none ? 1.0f : exp2f(mo - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                v[i] = none ? 0.0f : exp2f(v[i] - mn);
+                sum += v[i];
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            __syncwarp();
+            if (r < R) {
+#pragma unroll
+                for (int i = 0; i < 16; i++) row[part + 4 * i] = v[i];
+                if (part == 0) {
+                    sL[r] = sL[r] * alpha + sum;
+                    sM[r] = mn;
+                    sA[r] = alpha;
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 3: acc = acc * alpha + V^T P^T over the chunk's 64 tokens.
+        {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const float al0 = sA[nt * 8 + 2 * tq], al1 = sA[nt * 8 + 2 * tq + 1];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    acc[mt][nt][0] *= al0;
+                    acc[mt][nt][1] *= al1;
+                    acc[mt][nt][2] *= al0;
+                    acc[mt][nt][3] *= al1;
+                }
+            }
+#pragma unroll 1
+            for (int kt = 0; kt < FA_CHUNK / 16; kt++) {
+                const int t0 = kt * 16 + 2 * tq;  // tokens t0, t0+1, t0+8, t0+9
+                const u8* v0 = vb + t0 * VHB;
+                const u8* v1 = v0 + VHB;
+                const u8* v8 = v0 + 8 * VHB;
+                const u8* v9 = v0 + 9 * VHB;
+                // P[row nt*8+g][t0, t0+1, t0+8, t0+9], shared by every V block.
+                float pv[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const float* pr = sS + (nt * 8 + g) * FA_SROW + t0;
+                    const float2 pa = *(const float2*)pr;
+                    const float2 pb = *(const float2*)(pr + 8);
+                    pv[nt][0] = pa.x;
+                    pv[nt][1] = pa.y;
+                    pv[nt][2] = pb.x;
+                    pv[nt][3] = pb.y;
+                }
+                // Q4_0 blocks of this warp's dims: with DW >= 32 each block b gives m-tiles 2j (low
+                // nibbles, dims b*32 + 0..15) and 2j+1 (high nibbles, dims b*32 + 16..31); with
+                // DW == 16 the warp has one m-tile, the half hb of block b.
+                constexpr int NB = DW >= 32 ? DW / 32 : 1;
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    const int b = DW >= 32 ? w * NB + j : (w >> 1);
+                    // B = P^T * vscale(t, b), hi/lo. Masked or padding entries (p <= 0 or -inf)
+                    // contribute exactly 0 whatever the (possibly stale) scale bytes hold.
+                    const float s0 = fa_f16(v0 + b * 18), s1 = fa_f16(v1 + b * 18);
+                    const float s8 = fa_f16(v8 + b * 18), s9 = fa_f16(v9 + b * 18);
+                    u32 bh[NT][2], bl[NT][2];
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const float x0 = pv[nt][0] > 0.0f ? pv[nt][0] * s0 : 0.0f;
+                        const float x1 = pv[nt][1] > 0.0f ? pv[nt][1] * s1 : 0.0f;
+                        const float x8 = pv[nt][2] > 0.0f ? pv[nt][2] * s8 : 0.0f;
+                        const float x9 = pv[nt][3] > 0.0f ? pv[nt][3] * s9 : 0.0f;
+                        fa_split(x0, x1, bh[nt][0], bl[nt][0]);
+                        fa_split(x8, x9, bh[nt][1], bl[nt][1]);
+                    }
+                    // A = V^T: rows (dims) +g and +g+8 of the m-tile = bytes g and g+8 of block b;
+                    // columns (tokens) t0, t0+1 (a0, a1) and t0+8, t0+9 (a2, a3).
+                    const int o = b * 18 + 2 + g;
+                    u32 al[4], ah[4];
+                    fa_q4pair(v0[o], v1[o], al[0], ah[0]);
+                    fa_q4pair(v0[o + 8], v1[o + 8], al[1], ah[1]);
+                    fa_q4pair(v8[o], v9[o], al[2], ah[2]);
+                    fa_q4pair(v8[o + 8], v9[o + 8], al[3], ah[3]);
+                    if constexpr (DW >= 32) {
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) {
+                            fa_mma(acc[2 * j][nt], al[0], al[1], al[2], al[3], bh[nt][0], bh[nt][1]);
+                            fa_mma(acc[2 * j][nt], al[0], al[1], al[2], al[3], bl[nt][0], bl[nt][1]);
+                            fa_mma(acc[2 * j + 1][nt], ah[0], ah[1], ah[2], ah[3], bh[nt][0], bh[nt][1]);
+                            fa_mma(acc[2 * j + 1][nt], ah[0], ah[1], ah[2], ah[3], bl[nt][0], bl[nt][1]);
+                        }
+                    } else {
+                        const bool high = (w & 1) != 0;
+                        const u32 a0 = high ? ah[0] : al[0], a1 = high ? ah[1] : al[1];
+                        const u32 a2 = high ? ah[2] : al[2], a3 = high ? ah[3] : al[3];
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) {
+                            fa_mma(acc[0][nt], a0, a1, a2, a3, bh[nt][0], bh[nt][1]);
+                            fa_mma(acc[0][nt], a0, a1, a2, a3, bl[nt][0], bl[nt][1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Write the state back (each value by exactly one thread).
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int d = w * DW + mt * 16 + g + (i >> 1) * 8;
+                const int r = nt * 8 + 2 * tq + (i & 1);
+                if (r < R) {
+                    state[(((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d] =
+                        acc[mt][nt][i];
+                }
+            }
+        }
+    }
+    if (tid < R) {
+        const int r = tid;
+        float* st = state + (((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+        st[0] = sM[r];
+        st[1] = sL[r];
+    }
+}
+
+// Fast decode accumulate (see above). `nt` = ceil(group * width / 8) in 1..=4; head_dim in
+// {64, 128, 256}; any other combination is a no-op (the launcher never sends one).
+extern "C" __global__ void attn_accumulate_q8q4(
+    const float* q, const u8* pool, float* state, AttnGeo geo, u64 span_offset, int span_first, int span_count,
+    int n_splits, int vec, int nt) {
+    extern __shared__ __align__(16) u8 fa_smem[];
+    const int sel = nt * 1000 + geo.head_dim;
+    switch (sel) {
+#define FA_CASE(N, DD)                                                                                          \
+    case N * 1000 + DD:                                                                                         \
+        fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, fa_smem); \
+        break;
+        FA_CASE(1, 64) FA_CASE(2, 64) FA_CASE(3, 64) FA_CASE(4, 64)
+        FA_CASE(1, 128) FA_CASE(2, 128) FA_CASE(3, 128) FA_CASE(4, 128)
+        FA_CASE(1, 256) FA_CASE(2, 256) FA_CASE(3, 256) FA_CASE(4, 256)
+#undef FA_CASE
+    default:
+        break;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// out[qi, head * D + d] = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), splits summed in index
+// order. One block per (query, head); every split holds tokens, so every split's state was written.
+#define ATT_FINISH_MAX_SPLITS 64
+
 extern "C" __global__ void attn_finish(const float* state, float* out, int n_splits, int width, int q_heads,
                                        int head_dim) {
-    int row = blockIdx.x;  // qi * q_heads + head
-    int rowlen = head_dim + 2;
-    u64 split_stride = (u64)width * q_heads * rowlen;
+    __shared__ float wgt[ATT_FINISH_MAX_SPLITS];
+    __shared__ float lsum;
+    const int row = blockIdx.x;  // qi * q_heads + head
+    const int rowlen = head_dim + 2;
+    const u64 split_stride = (u64)width * q_heads * rowlen;
     const float* base = state + (u64)row * rowlen;
+    const int n = min(n_splits, ATT_FINISH_MAX_SPLITS);
     float M = NEG_INF;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, base[s * split_stride]);
-    float L = 0.0f;
-    for (int s = 0; s < n_splits; s++) {
-        float m = base[s * split_stride];
-        if (m != NEG_INF) L += base[s * split_stride + 1] * expf(m - M);
+    for (int s = 0; s < n; s++) M = fmaxf(M, base[s * split_stride]);
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+        const float m = base[s * split_stride];
+        wgt[s] = (m == NEG_INF || M == NEG_INF) ? 0.0f : exp2f(m - M);
     }
-    float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int s = 0; s < n; s++) L += base[s * split_stride + 1] * wgt[s];
+        lsum = L;
+    }
+    __syncthreads();
+    const float L = lsum;
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
-        for (int s = 0; s < n_splits; s++) {
-            float m = base[s * split_stride];
-            if (m != NEG_INF) a += base[s * split_stride + 2 + d] * expf(m - M);
+        for (int s = 0; s < n; s++) {
+            const float wv = wgt[s];
+            if (wv != 0.0f) a += base[s * split_stride + 2 + d] * wv;
         }
         out[(u64)row * head_dim + d] = a * inv;
     }

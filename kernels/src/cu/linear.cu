@@ -1,60 +1,400 @@
-// y[T, N] = x[T, K] · w[N, K]ᵀ with f32 accumulation; w is f32, f16 or bf16.
+// y[T, N] = x[T, K] · w[N, K]ᵀ with f32 accumulation. w is f32, f16, bf16 or one of the quantized
+// layouts of docs (quant-spec): q8_0, q4_g128, fp8_e4m3 (quants row-major, then the scales at the
+// 16-byte-aligned offset `soff`). Every kernel dequantises in registers to the EXACT value the
+// CPU reference computes (f32(scale) · q, e4m3(q) · scale), then accumulates with explicit fmaf.
+
+// Weight dtype codes beyond common.cuh's WT_F32/WT_F16/WT_BF16 (backend-cuda types.rs).
+#define WT_Q8_0 3
+#define WT_Q4G128 4
+#define WT_F8E4M3 5
 
 #define GEMV_MAX_T 8
+// GEMV: default rows per warp team (one x load feeds all of a team's rows).
+#define GV_R 4
 
-// Decode GEMV: one warp per output column n, all T (<= 8) rows at once, so each weight row is read
-// once. Vectorised 16-byte weight loads when `vec` (K % 8 == 0 and 16-byte aligned rows, 2-byte
-// dtypes only).
-extern "C" __global__ void gemv_f32out(const float* x, const void* w, int dt, float* y, int T, u64 K,
-                                       u64 N, int vec) {
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ float ld_f32(const u8* p) { return *(const float*)p; }
+
+// OCP E4M3 (bias 7, subnormals 2^-6·m/8) → f32, exact: the 7 magnitude bits placed under an f16
+// exponent (bias 15) give value / 2^8 exactly, subnormals included; × 256 is exact.
+__device__ __forceinline__ float e4m3_to_f32(u32 b) {
+    u16 h = (u16)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    return f16_to_f32(h) * 256.0f;
+}
+
+// Element (n, k) of a weight of dtype `dt` with K columns and scales at byte `soff` (quantized).
+__device__ __forceinline__ float load_wq(const u8* w, int dt, u64 n, u64 k, u64 K, u64 soff) {
+    switch (dt) {
+    case WT_Q8_0: {
+        float d = f16_to_f32(ld_u16(w + soff + 2 * (n * (K / 32) + k / 32)));
+        return d * (float)(i8)w[n * K + k];
+    }
+    case WT_Q4G128: {
+        float d = f16_to_f32(ld_u16(w + soff + 2 * (n * (K / 128) + k / 128)));
+        u32 b = w[n * (K / 2) + k / 2];
+        int u = (int)((k & 1) ? (b >> 4) : (b & 15u));
+        return d * (float)(u - 8);
+    }
+    case WT_F8E4M3: {
+        u64 g = (K + 127) / 128;
+        return e4m3_to_f32(w[n * K + k]) * ld_f32(w + soff + 4 * (n * g + k / 128));
+    }
+    default: return load_w(w, dt, n * K + k);
+    }
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// ---- Vector decoders: one 16-byte chunk of a weight row → f32 values, 4 at a time. -------------
+// Each format: EPC elements per chunk; `row_bytes(K)`; SB bytes per scale (0: none) and GROUP
+// values per scale; `scale_off(n, c, K)` the byte offset (after `soff`) of the scale of chunk c of
+// row n (one chunk never straddles a scale group); `prep` turns the scale into the constants
+// `decode4` uses; `decode4(raw, sub, p, one, o)` writes elements 4·sub .. 4·sub+3 of the chunk
+// (`one` = 0x3f800000 held in a register).
+//
+// Integer quants use the "magic float" trick, exact: f = 1 + u·2^-s is built by OR-ing the code u
+// into the mantissa of 1.0f, then fmaf(f, d·2^s, -(2^s + bias)·d) = (u - bias)·d with ONE rounding
+// of an exactly representable value (d has 11 significant bits, (2^s + bias) at most 13, so both
+// constants are exact in f32), i.e. bit-identical to the CPU's f32(d) · q.
+struct P0 {};
+struct PQ8 { float m, c; };
+struct PQ4 { float m15, c15, m11, c11; };
+struct PF8 { float m; };
+
+template <int FMT> struct Fmt;
+
+template <> struct Fmt<WT_BF16> {
+    static constexpr int SB = 0, GROUP = 1;
+    static __device__ __forceinline__ u64 scale_off(u64, u64, u64) { return 0; }
+    static constexpr int EPC = 8;
+    typedef P0 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return 2 * K; }
+    static __device__ __forceinline__ P prep(float) { return P0{}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P&, u32, float* o) {
+        u32 a = word_of(r, 2 * sub), b = word_of(r, 2 * sub + 1);
+        o[0] = __uint_as_float(a << 16);
+        o[1] = __uint_as_float(a & 0xffff0000u);
+        o[2] = __uint_as_float(b << 16);
+        o[3] = __uint_as_float(b & 0xffff0000u);
+    }
+};
+
+template <> struct Fmt<WT_F16> {
+    static constexpr int SB = 0, GROUP = 1;
+    static __device__ __forceinline__ u64 scale_off(u64, u64, u64) { return 0; }
+    static constexpr int EPC = 8;
+    typedef P0 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return 2 * K; }
+    static __device__ __forceinline__ P prep(float) { return P0{}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P&, u32, float* o) {
+        u32 a = word_of(r, 2 * sub), b = word_of(r, 2 * sub + 1);
+        o[0] = f16_to_f32((u16)(a & 0xffffu));
+        o[1] = f16_to_f32((u16)(a >> 16));
+        o[2] = f16_to_f32((u16)(b & 0xffffu));
+        o[3] = f16_to_f32((u16)(b >> 16));
+    }
+};
+
+template <> struct Fmt<WT_F32> {
+    static constexpr int SB = 0, GROUP = 1;
+    static __device__ __forceinline__ u64 scale_off(u64, u64, u64) { return 0; }
+    static constexpr int EPC = 4;
+    typedef P0 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return 4 * K; }
+    static __device__ __forceinline__ P prep(float) { return P0{}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int, const P&, u32, float* o) {
+        o[0] = __uint_as_float(r.x);
+        o[1] = __uint_as_float(r.y);
+        o[2] = __uint_as_float(r.z);
+        o[3] = __uint_as_float(r.w);
+    }
+};
+
+// q8_0: 16 int8 per chunk (half a 32-group). Code byte b = q ^ 0x80 = q + 128 sits in mantissa
+// bits 8..15 of 1.0f: f = 1 + b·2^-15, value = fmaf(f, d·2^15, -(2^15 + 128)·d) = q·d exactly.
+template <> struct Fmt<WT_Q8_0> {
+    static constexpr int EPC = 16;
+    typedef PQ8 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return K; }
+    static constexpr int SB = 2, GROUP = 32;
+    static __device__ __forceinline__ u64 scale_off(u64 n, u64 c, u64 K) { return 2 * (n * (K / 32) + c / 2); }
+    static __device__ __forceinline__ P prep(float d) { return PQ8{d * 32768.0f, d * -32896.0f}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P& p, u32 one, float* o) {
+        u32 u = word_of(r, sub) ^ 0x80808080u;
+        o[0] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7604)), p.m, p.c);
+        o[1] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7614)), p.m, p.c);
+        o[2] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7624)), p.m, p.c);
+        o[3] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7634)), p.m, p.c);
+    }
+};
+
+// q4_g128: 32 codes per chunk (a quarter of a 128-group); element e of a 32-bit word is the
+// nibble at bits 4e (low nibble = even k). Nibbles are moved to mantissa bits 8..11 (s = 15) or
+// 12..15 (s = 11) of 1.0f: f = 1 + u·2^-s, value = fmaf(f, d·2^s, -(2^s + 8)·d) = (u - 8)·d.
+template <> struct Fmt<WT_Q4G128> {
+    static constexpr int EPC = 32;
+    typedef PQ4 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return K / 2; }
+    static constexpr int SB = 2, GROUP = 128;
+    static __device__ __forceinline__ u64 scale_off(u64 n, u64 c, u64 K) { return 2 * (n * (K / 128) + c / 4); }
+    static __device__ __forceinline__ P prep(float d) {
+        return PQ4{d * 32768.0f, d * -32776.0f, d * 2048.0f, d * -2056.0f};
+    }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P& p, u32 one, float* o) {
+        u32 v = word_of(r, sub >> 1);
+        // sub even: elements 0..3 of the word (from v << 8 and v); odd: 4..7 (v >> 8, v >> 16).
+        u32 a = (sub & 1) ? (v >> 8) : (v << 8);
+        u32 b = (sub & 1) ? (v >> 16) : v;
+        o[0] = fmaf(__uint_as_float((a & 0x00000f00u) | one), p.m15, p.c15);
+        o[1] = fmaf(__uint_as_float((a & 0x0000f000u) | one), p.m11, p.c11);
+        o[2] = fmaf(__uint_as_float((b & 0x00000f00u) | one), p.m15, p.c15);
+        o[3] = fmaf(__uint_as_float((b & 0x0000f000u) | one), p.m11, p.c11);
+    }
+};
+
+// fp8_e4m3: 16 codes per chunk (an eighth of a 128-group). Two codes at a time become an f16x2
+// (sign to bit 15, magnitude bits to 13..7: value / 2^8 exactly, subnormals included); then
+// value · scale = f16 · (256 · scale), exact because 256 · scale is (scale = amax/448 < 2^120).
+template <> struct Fmt<WT_F8E4M3> {
+    static constexpr int EPC = 16;
+    typedef PF8 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return K; }
+    static constexpr int SB = 4, GROUP = 128;
+    static __device__ __forceinline__ u64 scale_off(u64 n, u64 c, u64 K) { return 4 * (n * ((K + 127) / 128) + c / 8); }
+    static __device__ __forceinline__ P prep(float s) { return PF8{s * 256.0f}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P& p, u32 one, float* o) {
+        u32 v = word_of(r, sub);
+        u32 t01 = __byte_perm(v, 0u, 0x1404), t23 = __byte_perm(v, 0u, 0x3424);
+        u32 h01 = (t01 & 0x80008000u) | ((t01 >> 1) & 0x3f803f80u);
+        u32 h23 = (t23 & 0x80008000u) | ((t23 >> 1) & 0x3f803f80u);
+        o[0] = f16_to_f32((u16)(h01 & 0xffffu)) * p.m;
+        o[1] = f16_to_f32((u16)(h01 >> 16)) * p.m;
+        o[2] = f16_to_f32((u16)(h23 & 0xffffu)) * p.m;
+        o[3] = f16_to_f32((u16)(h23 >> 16)) * p.m;
+    }
+};
+
+// ---- Decode GEMV (T ≤ 8) -------------------------------------------------------------------------
+// Blocks of GP_WARPS = 4 warps. `split` (1, 2 or 4; chosen by the launcher from the dtype, N and K
+// only) warps form a team that owns R consecutive rows (R = 8 for TM ≤ 4, 4 for TM = 8); team
+// member m, lane l handles the 16-byte chunks c = 32·m + l + 32·split·j (j = 0, 1, ...) of each of
+// its R rows ("trip" j). The code chunks and 4-byte scale words travel through a per-warp ring of
+// NS shared-memory stages with cp.async (L1 bypassed): NS - 1 trips (R × 16 bytes per lane, 4 KB
+// per warp at R = 8) are in flight while one is computed, without holding them in registers.
+// Each lane reads back only the bytes it copied itself, so cp.async.wait_group orders everything
+// (no barrier). The x values of 8 consecutive elements (2 float4 per row t, L1-cached) are loaded
+// together and used for all R rows; the weight is read once for all T rows. Known limit (ncu on
+// the H200): lane l's x slice is EPC·4 bytes away from lane l+1's, so each x float4 load touches
+// up to 32 L1 lines; at 4-bit codes (EPC = 32) this L1 traffic, not HBM, bounds the kernel.
+//
+// DETERMINISM / T-INDEPENDENCE (MTP verification compares rows across widths): the value of
+// output (t, n) is, for every T in 1..=8 and every instance TM:
+//   per lane: acc = 0; for its chunks c ascending, for elements e ascending: acc = fmaf(w, x, acc)
+//   per warp: xor-butterfly warp_sum, lane 0's value;  per team: ((p_0 + p_1) + ...) + p_{split-1}.
+// Nothing in that sequence depends on T or TM (t only selects which accumulator; rows t >= T of a
+// wider instance recompute row 0 and are dropped), and the decoded weights are exact, so row t of a
+// T-row call is bit-identical to a 1-row call.
+#define GP_WARPS 4
+#define GP_NS 4
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+template <int FMT, int TM, int R = GV_R, int NS = GP_NS>
+__device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8* __restrict__ w,
+                                          float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int split) {
+    typedef Fmt<FMT> F;
+    constexpr int EPC = F::EPC;
+    __shared__ uint4 ring[GP_WARPS][NS][R][32];
+    __shared__ u32 sring[GP_WARPS][NS][R][F::SB ? 32 : 1];
+    __shared__ float red[GP_WARPS][R][TM];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int member = warp % split, team = warp / split;
+    const u64 row0 = ((u64)blockIdx.x * (GP_WARPS / split) + team) * R;
+    const u64 nch = K / EPC, rb = F::row_bytes(K), stride = 32ull * split;
+    const u32 one = 0x3f800000u | ((u32)split >> 8);
+    float acc[R][TM];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < TM; t++) acc[r][t] = 0.0f;
+    u64 xoff[TM];
+#pragma unroll
+    for (int t = 0; t < TM; t++) xoff[t] = t < T ? (u64)t * K : 0;
+    const u64 c0 = (u64)member * 32 + lane;
+    // Issue side: per row the code and scale-word pointers of the next trip, advanced by constant
+    // steps (one trip = `stride` chunks; the scale index advances by stride·EPC/GROUP, a whole
+    // number of 4-byte words, so the half-word parity of a row's 2-byte scales is fixed).
+    const u8* wi[R];
+    const u8* si[R];
+    u32 par[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        u64 n = row0 + r < N ? row0 + r : N - 1;  // rows past N re-read row N-1, never stored
+        wi[r] = w + n * rb + c0 * 16;
+        u64 so = soff + F::scale_off(n, c0, K);
+        si[r] = w + (so & ~3ull);
+        par[r] = (u32)(so >> 1) & 1u;
+    }
+    const u64 wstep = stride * 16, sstep = F::SB ? stride * EPC / F::GROUP * F::SB : 0;
+    const u32 cbase = smem_addr(&ring[warp][0][0][lane]), sbase = smem_addr(&sring[warp][0][0][F::SB ? lane : 0]);
+    u64 ci = c0;
+    int sti = 0;
+    auto issue = [&]() {
+        if (ci < nch) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                u32 d = cbase + (u32)((sti * R + r) * 32 * 16);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(wi[r]) : "memory");
+                if (F::SB) {
+                    u32 e = sbase + (u32)((sti * R + r) * 32 * 4);
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(e), "l"(si[r]) : "memory");
+                }
+            }
+        }
+        cp_commit();
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            wi[r] += wstep;
+            si[r] += sstep;
+        }
+        ci += stride;
+        sti = sti + 1 == NS ? 0 : sti + 1;
+    };
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++) issue();
+    const float* xc = x + c0 * EPC;
+    int st = 0;
+    for (u64 c = c0; c < nch; c += stride, xc += stride * EPC, st = st + 1 == NS ? 0 : st + 1) {
+        issue();
+        cp_wait<NS - 1>();
+        uint4 cur[R];
+        typename F::P p[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            cur[r] = ring[warp][st][r][lane];
+            float d = 0.0f;
+            if (F::SB == 2) {
+                u32 v = sring[warp][st][r][F::SB ? lane : 0];
+                d = f16_to_f32((u16)(par[r] ? (v >> 16) : (v & 0xffffu)));
+            } else if (F::SB == 4) {
+                d = __uint_as_float(sring[warp][st][r][F::SB ? lane : 0]);
+            }
+            p[r] = F::prep(d);
+        }
+        constexpr int XG = EPC >= 8 ? 2 : 1;
+#pragma unroll
+        for (int g = 0; g < EPC / 4; g += XG) {
+            float4 xv[TM][XG];
+#pragma unroll
+            for (int t = 0; t < TM; t++)
+#pragma unroll
+                for (int i = 0; i < XG; i++) xv[t][i] = __ldg((const float4*)(xc + xoff[t]) + g + i);
+#pragma unroll
+            for (int i = 0; i < XG; i++) {
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float wv[4];
+                    F::decode4(cur[r], g + i, p[r], one, wv);
+#pragma unroll
+                    for (int t = 0; t < TM; t++) {
+                        float a = acc[r][t];
+                        a = fmaf(wv[0], xv[t][i].x, a);
+                        a = fmaf(wv[1], xv[t][i].y, a);
+                        a = fmaf(wv[2], xv[t][i].z, a);
+                        a = fmaf(wv[3], xv[t][i].w, a);
+                        acc[r][t] = a;
+                    }
+                }
+            }
+        }
+    }
+    cp_wait<0>();
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < TM; t++)
+            if (t < T) acc[r][t] = warp_sum(acc[r][t]);
+    if (split == 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int t = 0; t < TM; t++)
+                    if (t < T && row0 + r < N) y[(u64)t * N + row0 + r] = acc[r][t];
+        }
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < TM; t++) red[warp][r][t] = acc[r][t];
+    }
+    __syncthreads();
+    if (member == 0) {
+        for (int i = lane; i < R * TM; i += 32) {
+            int r = i / TM, t = i % TM;
+            if (t < T && row0 + r < N) {
+                float s = red[warp][r][t];
+                for (int m = 1; m < split; m++) s += red[warp + m][r][t];
+                y[(u64)t * N + row0 + r] = s;
+            }
+        }
+    }
+}
+
+#define GEMV_ARGS const float *x, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int split
+#define GEMV_PASS x, w, y, T, K, N, soff, split
+// One instance per (dtype, TM): TM = 1 (plain decode), 4 (T 2..4), 8 (T 5..8). All instances of a
+// dtype compute identical per-row results (see above): TM sizes the accumulators, R (rows per
+// team) and NS (ring stages) only trade registers for in-flight bytes. Measured on the H200
+// (variants of R ∈ {4, 8}, NS ∈ {2, 3, 4}): R = 8 with a 2-stage ring wins for TM = 1 and 4 (it
+// halves the strided x reads per weight byte, which saturate L1 otherwise; 8 rows × 16 B per lane
+// stay in flight); TM = 8 keeps R = 4 (register budget). Register caps: 4, 3, 2 blocks per SM
+// (q4_g128: 3, 2, 2, measured faster than spilling at the tighter caps).
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_f32_t1(GEMV_ARGS) { gemv_pipe<WT_F32, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_f32_t4(GEMV_ARGS) { gemv_pipe<WT_F32, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_f32_t8(GEMV_ARGS) { gemv_pipe<WT_F32, 8, 4, 4>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_f16_t1(GEMV_ARGS) { gemv_pipe<WT_F16, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_f16_t4(GEMV_ARGS) { gemv_pipe<WT_F16, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_f16_t8(GEMV_ARGS) { gemv_pipe<WT_F16, 8, 4, 4>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_bf16_t1(GEMV_ARGS) { gemv_pipe<WT_BF16, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_bf16_t4(GEMV_ARGS) { gemv_pipe<WT_BF16, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_bf16_t8(GEMV_ARGS) { gemv_pipe<WT_BF16, 8, 4, 4>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_q8_0_t1(GEMV_ARGS) { gemv_pipe<WT_Q8_0, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_q8_0_t4(GEMV_ARGS) { gemv_pipe<WT_Q8_0, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q8_0_t8(GEMV_ARGS) { gemv_pipe<WT_Q8_0, 8, 4, 4>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_q4g128_t1(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128_t4(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128_t8(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 8, 4, 4>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_f8e4m3_t1(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_f8e4m3_t4(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 8, 4, 4>(GEMV_PASS); }
+
+// Fallback GEMV for rows that are not 16-byte chunkable (K not a multiple of the chunk): one warp
+// per output row, lane l reads k = l, l + 32, ...; same T-independence argument (per-lane order is
+// k ascending, then warp_sum).
+extern "C" __global__ void gemv_scalar(const float* x, const u8* w, int dt, float* y, int T, u64 K, u64 N,
+                                       u64 soff) {
     int lane = threadIdx.x & 31;
     u64 n = blockIdx.x * (u64)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (n >= N) return;
     float acc[GEMV_MAX_T];
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.0f;
-    if (vec && dt != WT_F32) {
-        const uint4* wr = (const uint4*)((const u16*)w + n * K);
-        u64 nv = K / 8;
-        // Four independent 16-byte loads in flight per lane before any arithmetic.
-        for (u64 c0 = lane; c0 < nv; c0 += 128) {
-            uint4 pks[4];
+    for (u64 k = lane; k < K; k += 32) {
+        float wv = load_wq(w, dt, n, k, K, soff);
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                u64 c = c0 + 32 * u;
-                pks[u] = c < nv ? wr[c] : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                u64 c = c0 + 32 * u;
-                if (c >= nv) break;
-                uint4 pk = pks[u];
-                u32 words[4] = {pk.x, pk.y, pk.z, pk.w};
-                float wf[8];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    u16 lo = (u16)(words[e] & 0xffffu), hi = (u16)(words[e] >> 16);
-                    wf[2 * e] = dt == WT_BF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
-                    wf[2 * e + 1] = dt == WT_BF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
-                }
-#pragma unroll
-                for (int t = 0; t < GEMV_MAX_T; t++) {
-                    if (t < T) {
-                        const float4* xr = (const float4*)(x + t * K + c * 8);
-                        float4 a = xr[0], b = xr[1];
-                        acc[t] += a.x * wf[0] + a.y * wf[1] + a.z * wf[2] + a.w * wf[3] + b.x * wf[4] + b.y * wf[5] +
-                                  b.z * wf[6] + b.w * wf[7];
-                    }
-                }
-            }
-        }
-    } else {
-        for (u64 k = lane; k < K; k += 32) {
-            float wv = load_w(w, dt, n * K + k);
-#pragma unroll
-            for (int t = 0; t < GEMV_MAX_T; t++)
-                if (t < T) acc[t] += x[t * K + k] * wv;
-        }
+        for (int t = 0; t < GEMV_MAX_T; t++)
+            if (t < T) acc[t] = fmaf(wv, x[t * K + k], acc[t]);
     }
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_T; t++) {
@@ -65,10 +405,13 @@ extern "C" __global__ void gemv_f32out(const float* x, const void* w, int dt, fl
     }
 }
 
-// Prefill GEMM: 64×64 output tile per block of 256 threads, 4×4 outputs per thread, K step 16.
+// ---- Prefill GEMM (T > 8) ------------------------------------------------------------------------
+// 64×64 output tile per block of 256 threads, 4×4 outputs per thread, K step 16; the weight-tile
+// loader dequantises any dtype (exact values, as the GEMV).
 #define GT 64
 #define GK 16
-extern "C" __global__ void gemm_f32out(const float* x, const void* w, int dt, float* y, u64 T, u64 K, u64 N) {
+extern "C" __global__ void gemm_f32out(const float* x, const u8* w, int dt, float* y, u64 T, u64 K, u64 N,
+                                       u64 soff) {
     __shared__ float xs[GK][GT + 1];
     __shared__ float ws[GK][GT + 1];
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -83,7 +426,7 @@ extern "C" __global__ void gemm_f32out(const float* x, const void* w, int dt, fl
             int r = e / GK, kk = e % GK;
             u64 gr = row0 + r, gn = col0 + r, gk = k0 + kk;
             xs[kk][r] = (gr < T && gk < K) ? x[gr * K + gk] : 0.0f;
-            ws[kk][r] = (gn < N && gk < K) ? load_w(w, dt, gn * K + gk) : 0.0f;
+            ws[kk][r] = (gn < N && gk < K) ? load_wq(w, dt, gn, gk, K, soff) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -96,7 +439,7 @@ extern "C" __global__ void gemm_f32out(const float* x, const void* w, int dt, fl
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] += a[i] * b[j];
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
         __syncthreads();
     }
@@ -109,5 +452,16 @@ extern "C" __global__ void gemm_f32out(const float* x, const void* w, int dt, fl
             u64 c = col0 + tx + 16 * j;
             if (c < N) y[r * N + c] = acc[i][j];
         }
+    }
+}
+
+// ---- Embedding rows of a table in any dtype (quantized tables dequantise the requested rows) ----
+// out[i, h] = table[ids[i], h], exactly the CPU's dequantised value.
+extern "C" __global__ void embedding_rows_q(const u8* table, int dt, const u32* ids, u64 n_ids, u64 hidden,
+                                            u64 soff, float* out) {
+    for (u64 i = blockIdx.y; i < n_ids; i += gridDim.y) {
+        u64 row = ids[i];
+        for (u64 h = blockIdx.x * (u64)blockDim.x + threadIdx.x; h < hidden; h += (u64)gridDim.x * blockDim.x)
+            out[i * hidden + h] = load_wq(table, dt, row, h, hidden, soff);
     }
 }

@@ -1,0 +1,204 @@
+//! Launch plans of the linear kernels (`kernels/src/cu/linear.cu`): which GEMV instance, how many
+//! warps share a row (`split`) and the grid. Pure functions of the shape, so they are tested
+//! without a GPU.
+//!
+//! T-independence: everything that decides the per-row accumulation order (vector or scalar
+//! kernel, chunk size, `split`) is a function of the dtype, N and K only, never of T; T only picks
+//! the instance (`_t1`, `_t4`, `_t8`), which sizes the accumulators and nothing else.
+
+use kvstream_memory_contracts::backend::WeightDType;
+
+/// Warps per vector-GEMV block (`GP_WARPS` in linear.cu); also the largest `split`.
+pub(crate) const GV_WARPS: usize = 4;
+/// Warps (= rows) per block of the scalar fallback GEMV.
+pub(crate) const SCALAR_WARPS: usize = 8;
+/// Reference rows per warp team for the `split` rule (`GV_R` in linear.cu). The split must not
+/// depend on T, so it is computed with this fixed value whatever the instance's own R.
+pub(crate) const GV_R: usize = 4;
+/// Rows per warp team of each instance width (`_t1`, `_t4`, `_t8`: the `R` template argument of
+/// the entry points in linear.cu).
+const ROWS_PER_TEAM: [usize; 3] = [8, 8, 4];
+/// Warps the split heuristic aims for (≈ 16 per SM on a 132-SM H100/H200): fewer row teams than
+/// that leave SMs idle, so their rows are split over more warps.
+pub(crate) const TARGET_WARPS: usize = 2048;
+
+/// GEMV kernel names by dtype (the `dtype_code` order) and accumulator width (1, 4, 8).
+const GEMV_KERNELS: [[&str; 3]; 6] = [
+    ["gemv_f32_t1", "gemv_f32_t4", "gemv_f32_t8"],
+    ["gemv_f16_t1", "gemv_f16_t4", "gemv_f16_t8"],
+    ["gemv_bf16_t1", "gemv_bf16_t4", "gemv_bf16_t8"],
+    ["gemv_q8_0_t1", "gemv_q8_0_t4", "gemv_q8_0_t8"],
+    ["gemv_q4g128_t1", "gemv_q4g128_t4", "gemv_q4g128_t8"],
+    ["gemv_f8e4m3_t1", "gemv_f8e4m3_t4", "gemv_f8e4m3_t8"],
+];
+
+/// Elements in one 16-byte chunk of a weight row (`Fmt<..>::EPC` in linear.cu).
+pub(crate) fn chunk_elems(d: WeightDType) -> usize {
+    match d {
+        WeightDType::F32 => 4,
+        WeightDType::F16 | WeightDType::Bf16 => 8,
+        WeightDType::Q8_0 | WeightDType::F8E4M3 => 16,
+        WeightDType::Q4G128 => 32,
+    }
+}
+
+/// How one GEMV (T ≤ 8) is launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GemvPlan {
+    /// The cp.async-pipelined vector kernel `name` with `split` warps per row team, `blocks`
+    /// blocks of [`GV_WARPS`] warps.
+    Vector {
+        name: &'static str,
+        split: u32,
+        blocks: u32,
+    },
+    /// `gemv_scalar`: one warp per row, [`SCALAR_WARPS`] rows per block.
+    Scalar { blocks: u32 },
+}
+
+/// Warps per row team for an `[n, k]` weight of `d`: the smallest power of two (≤ 4) that gives
+/// about [`TARGET_WARPS`] warps, while every lane keeps at least two chunks per row.
+pub(crate) fn gemv_split(d: WeightDType, n: usize, k: usize) -> u32 {
+    let teams = n.div_ceil(GV_R);
+    let chunks = k / chunk_elems(d);
+    let mut s = 1usize;
+    while s < GV_WARPS && teams * s < TARGET_WARPS && chunks >= 32 * 2 * (2 * s) {
+        s *= 2;
+    }
+    s as u32
+}
+
+/// The GEMV plan for `t` rows (1..=8) of activations against `[n, k]` of `d` at device address
+/// `w_ptr`. `None` if the grid would not fit (more than 2^31 - 1 blocks).
+pub(crate) fn gemv_plan(
+    d: WeightDType,
+    code: usize,
+    t: usize,
+    n: usize,
+    k: usize,
+    w_ptr: u64,
+) -> Option<GemvPlan> {
+    let vector = k % chunk_elems(d) == 0 && w_ptr % 16 == 0;
+    if !vector {
+        let blocks = u32::try_from(n.div_ceil(SCALAR_WARPS)).ok()?;
+        return Some(GemvPlan::Scalar { blocks });
+    }
+    let split = gemv_split(d, n, k);
+    let width = match t {
+        0 | 1 => 0,
+        2..=4 => 1,
+        _ => 2,
+    };
+    let rows_per_block = ROWS_PER_TEAM[width] * (GV_WARPS / split as usize);
+    let blocks = u32::try_from(n.div_ceil(rows_per_block)).ok()?;
+    if blocks > i32::MAX as u32 {
+        return None;
+    }
+    Some(GemvPlan::Vector {
+        name: GEMV_KERNELS.get(code)?[width],
+        split,
+        blocks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::dtype_code;
+
+    const ALL: [WeightDType; 6] = [
+        WeightDType::F32,
+        WeightDType::F16,
+        WeightDType::Bf16,
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+    ];
+
+    #[test]
+    fn kernel_table_matches_dtype_codes_and_the_kernel_list() {
+        for d in ALL {
+            let code = dtype_code(d) as usize;
+            for t in 1..=8 {
+                let Some(GemvPlan::Vector { name, .. }) = gemv_plan(d, code, t, 64, 1024, 256)
+                else {
+                    panic!("{d}: expected the vector kernel");
+                };
+                assert!(
+                    kvstream_kernels::module_of(name).is_some(),
+                    "{name} is not in the kernel table"
+                );
+                let tag = match d {
+                    WeightDType::Q4G128 => "q4g128".to_string(),
+                    WeightDType::F8E4M3 => "f8e4m3".to_string(),
+                    other => other.to_string(),
+                };
+                assert!(name.contains(&tag), "{d} → {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn split_ignores_t_and_blocks_cover_every_row() {
+        for d in ALL {
+            let code = dtype_code(d) as usize;
+            for &(n, k) in &[
+                (5120, 17408),
+                (17408, 5120),
+                (96, 256),
+                (7, 4096),
+                (248_320, 5120),
+            ] {
+                let strip = |p: Option<GemvPlan>| match p {
+                    Some(GemvPlan::Vector { split, blocks, .. }) => (split, blocks),
+                    other => panic!("{other:?}"),
+                };
+                let (split1, _) = strip(gemv_plan(d, code, 1, n, k, 0));
+                for t in 1..=8 {
+                    let (split, blocks) = strip(gemv_plan(d, code, t, n, k, 0));
+                    assert_eq!(split, split1, "{d} [{n}x{k}] t={t}: split depends on T");
+                    let width = usize::from(t > 1) + usize::from(t > 4);
+                    let per_block = ROWS_PER_TEAM[width] * GV_WARPS / split as usize;
+                    let rows = blocks as usize * per_block;
+                    assert!(rows >= n && rows < n + per_block, "{d} [{n}x{k}] t={t}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_grows_for_few_long_rows_only() {
+        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 248_320, 5120), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 5120, 17408), 2);
+        assert_eq!(gemv_split(WeightDType::Bf16, 7, 4096), 4);
+        // Too few chunks per lane: stays 1.
+        assert_eq!(gemv_split(WeightDType::Bf16, 7, 256), 1);
+        for d in ALL {
+            let s = gemv_split(d, 33, 1 << 16);
+            assert!(s.is_power_of_two() && s as usize <= GV_WARPS, "{d}: {s}");
+        }
+    }
+
+    #[test]
+    fn unaligned_or_ragged_rows_use_the_scalar_kernel() {
+        let code = dtype_code(WeightDType::Bf16) as usize;
+        assert_eq!(
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200 + 4, 0),
+            Some(GemvPlan::Scalar { blocks: 9 })
+        );
+        assert!(matches!(
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200, 8),
+            Some(GemvPlan::Scalar { .. })
+        ));
+        let f8 = dtype_code(WeightDType::F8E4M3) as usize;
+        assert!(matches!(
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 200, 0),
+            Some(GemvPlan::Scalar { .. })
+        ));
+        assert!(matches!(
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 208, 0),
+            Some(GemvPlan::Vector { .. })
+        ));
+    }
+}
