@@ -56,6 +56,28 @@ pub enum ModelError {
     NoMtp,
     #[error(transparent)]
     Op(#[from] OpError),
+    /// A tensor whose (quantized) bytes do not fit its format: the dims break the format's K
+    /// rule, the byte length is wrong, or a conversion failed.
+    #[error("tensor `{name}`: {source}")]
+    WeightFormat {
+        name: String,
+        #[source]
+        source: kvstream_memory_contracts::weight_format::WeightFormatError,
+    },
+    /// A quantized checkpoint's metadata entry for a tensor is missing or malformed.
+    #[error("`{path}`: tensor `{name}`: bad quantization metadata: {detail}")]
+    QuantMetadata {
+        path: PathBuf,
+        name: String,
+        detail: String,
+    },
+    /// The scale tensor of an FP8 weight is missing or has the wrong shape/dtype.
+    #[error("tensor `{name}`: scale tensor `{scale}`: {detail}")]
+    ScaleTensor {
+        name: String,
+        scale: String,
+        detail: String,
+    },
     #[error("attention KV: {0}")]
     Kv(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }

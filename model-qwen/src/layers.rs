@@ -4,23 +4,66 @@
 use crate::attention_kv::{AttentionKv, AttentionPhase};
 use crate::config::{GateActivation, QwenConfig};
 use crate::error::ModelError;
+use crate::quant::role::{decide, Role};
+use crate::quant::{LoadReport, WeightPolicy};
 use crate::state::GdnState;
 use crate::synthetic::TensorSource;
 use kvstream_memory_contracts::backend::DeviceWeight;
 use kvstream_memory_contracts::ops::{DeltaMode, DeltaShape, ModelBackend, Position3};
 
-/// Loads tensors into backend weights and counts their bytes.
+/// Loads tensors into backend weights, converting each to the format its role and the
+/// [`WeightPolicy`] ask for (one tensor at a time), and records what it did.
 pub(crate) struct Loader<'a, B: ModelBackend> {
     pub b: &'a B,
     pub ck: &'a dyn TensorSource,
-    pub bytes: usize,
+    pub policy: WeightPolicy,
+    /// Role of the linears `Layer::load` asks for (decoder layers, or the MTP head).
+    pub linear_role: Role,
+    pub report: LoadReport,
 }
 
-impl<B: ModelBackend> Loader<'_, B> {
+impl<'a, B: ModelBackend> Loader<'a, B> {
+    pub fn new(b: &'a B, ck: &'a dyn TensorSource, policy: WeightPolicy) -> Self {
+        Self {
+            b,
+            ck,
+            policy,
+            linear_role: Role::DecoderLinear,
+            report: LoadReport::default(),
+        }
+    }
+
+    /// A tensor kept as stored (norms, conv, GDN `in_proj_a`/`in_proj_b`, ...).
     pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Weight, ModelError> {
-        let t = self.ck.get(name, shape)?;
+        self.load(name, shape, Role::Kept)
+    }
+
+    /// A linear weight of the current layer kind ([`Loader::linear_role`]).
+    pub fn linear(&mut self, name: &str, shape: &[usize]) -> Result<B::Weight, ModelError> {
+        self.load(name, shape, self.linear_role)
+    }
+
+    /// `name` loaded with the format of `role` (quantize-at-load when it differs from the
+    /// stored one; fallbacks are recorded in the report).
+    pub fn load(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        role: Role,
+    ) -> Result<B::Weight, ModelError> {
+        let stored = self.ck.stored_dtype(name, shape)?;
+        let d = decide(role, stored, shape, &self.policy);
+        if d.fallback {
+            tracing::debug!(name, to = %d.dtype, "format does not fit K: fallback");
+            self.report.fallback.push((name.to_string(), d.dtype));
+        }
+        let t = if d.dtype == stored {
+            self.ck.get(name, shape)?
+        } else {
+            self.ck.get_as(name, shape, d.dtype)?
+        };
         let w = self.b.load_weight(name, t.dtype, &t.shape, t.data)?;
-        self.bytes += w.device_bytes();
+        self.report.record(w.dtype(), w.device_bytes());
         Ok(w)
     }
 }
@@ -36,9 +79,9 @@ impl<B: ModelBackend> Mlp<B> {
     fn load(l: &mut Loader<'_, B>, p: &str, c: &QwenConfig) -> Result<Self, ModelError> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         Ok(Self {
-            gate: l.get(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
-            up: l.get(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
-            down: l.get(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
+            gate: l.linear(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
+            up: l.linear(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
+            down: l.linear(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
         })
     }
 
@@ -69,10 +112,10 @@ impl<B: ModelBackend> Attention<B> {
             c.head_dim,
         );
         Ok(Self {
-            q_proj: l.get(&format!("{p}self_attn.q_proj.weight"), &[nh * d * 2, h])?,
-            k_proj: l.get(&format!("{p}self_attn.k_proj.weight"), &[nkv * d, h])?,
-            v_proj: l.get(&format!("{p}self_attn.v_proj.weight"), &[nkv * d, h])?,
-            o_proj: l.get(&format!("{p}self_attn.o_proj.weight"), &[h, nh * d])?,
+            q_proj: l.linear(&format!("{p}self_attn.q_proj.weight"), &[nh * d * 2, h])?,
+            k_proj: l.linear(&format!("{p}self_attn.k_proj.weight"), &[nkv * d, h])?,
+            v_proj: l.linear(&format!("{p}self_attn.v_proj.weight"), &[nkv * d, h])?,
+            o_proj: l.linear(&format!("{p}self_attn.o_proj.weight"), &[h, nh * d])?,
             q_norm: l.get(&format!("{p}self_attn.q_norm.weight"), &[d])?,
             k_norm: l.get(&format!("{p}self_attn.k_norm.weight"), &[d])?,
         })
@@ -148,8 +191,8 @@ impl<B: ModelBackend> Gdn<B> {
         let vd = hv * c.linear_value_head_dim;
         let p = format!("{p}linear_attn.");
         Ok(Self {
-            in_proj_qkv: l.get(&format!("{p}in_proj_qkv.weight"), &[c.linear_conv_dim(), h])?,
-            in_proj_z: l.get(&format!("{p}in_proj_z.weight"), &[vd, h])?,
+            in_proj_qkv: l.linear(&format!("{p}in_proj_qkv.weight"), &[c.linear_conv_dim(), h])?,
+            in_proj_z: l.linear(&format!("{p}in_proj_z.weight"), &[vd, h])?,
             in_proj_b: l.get(&format!("{p}in_proj_b.weight"), &[hv, h])?,
             in_proj_a: l.get(&format!("{p}in_proj_a.weight"), &[hv, h])?,
             conv1d: l.get(
@@ -159,7 +202,7 @@ impl<B: ModelBackend> Gdn<B> {
             dt_bias: l.get(&format!("{p}dt_bias"), &[hv])?,
             a_log: l.get(&format!("{p}A_log"), &[hv])?,
             norm: l.get(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?,
-            out_proj: l.get(&format!("{p}out_proj.weight"), &[h, vd])?,
+            out_proj: l.linear(&format!("{p}out_proj.weight"), &[h, vd])?,
         })
     }
 

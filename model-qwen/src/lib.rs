@@ -8,22 +8,38 @@
 //! * [`weights`]: memory-mapped safetensors (single file or sharded).
 //! * [`model`]: [`QwenModel`] (`load`, `forward`, `mtp_forward`).
 //! * [`state`]: per-sequence GDN state ([`RecurrentState`]).
+//! * [`vision`]: the vision tower (preprocess + encode, host f32); [`rope_index`]: multimodal
+//!   M-RoPE positions.
 //! * [`attention_kv`]: the seam to whoever owns the KV cache; [`resident`]: all-resident KV.
+//! * [`quant`]: quantized weights ([`WeightPolicy`], [`save_quantized`], [`plan_weight_bytes`]);
+//!   [`embedding`]: the host-resident embedding table.
 
 pub mod attention_kv;
 pub mod config;
+pub mod embedding;
 pub mod error;
 mod layers;
 pub mod model;
+pub mod quant;
 pub mod resident;
+pub mod rope_index;
 pub mod state;
 pub mod synthetic;
+pub mod vision;
 pub mod weights;
 
 pub use attention_kv::{AttentionKv, AttentionPhase};
 pub use config::{GateActivation, LayerType, QwenConfig};
+pub use embedding::HostEmbedding;
 pub use error::ModelError;
+pub use model::ImageEmbeds;
 pub use model::{text_positions, ForwardOutput, LoadOptions, LogitRows, QwenModel, GDN_CHUNK};
+pub use quant::{
+    plan_weight_bytes, plan_weight_bytes_stored, save_quantized, LoadReport, WeightBytesPlan,
+    WeightPolicy,
+};
 pub use resident::{ResidentKv, ResidentKvError, ResidentKvOptions};
+pub use rope_index::{mrope_positions, MropePositions, RopeIndexError};
 pub use state::{GdnState, RecurrentState};
 pub use synthetic::{SyntheticWeights, TensorSource};
+pub use vision::{PreprocessedImage, PreprocessorConfig, VisionConfig, VisionError, VisionTower};

@@ -2,13 +2,19 @@
 
 use crate::attention_kv::{AttentionKv, AttentionPhase};
 use crate::config::{LayerType, QwenConfig};
+use crate::embedding::HostEmbedding;
 use crate::error::ModelError;
 use crate::layers::{GdnRun, Layer, Loader, Mixer};
+use crate::quant::role::Role;
+use crate::quant::{LoadReport, WeightPolicy};
 use crate::state::{GdnState, RecurrentState};
 use crate::weights::Checkpoint;
 use kvstream_memory_contracts::backend::{Backend, DeviceTensor};
 use kvstream_memory_contracts::ops::{DeltaMode, ModelBackend, Position3};
 use std::path::Path;
+
+mod multimodal;
+pub use multimodal::ImageEmbeds;
 
 /// Chunk length of the chunked GDN form used for multi-token calls.
 pub const GDN_CHUNK: usize = 64;
@@ -23,6 +29,8 @@ pub fn text_positions(start: usize, n: usize) -> Vec<Position3> {
 pub struct LoadOptions {
     /// Load the MTP head (`mtp.*`) when the config has one.
     pub load_mtp: bool,
+    /// Formats of the weights on the device (default: as stored).
+    pub weights: WeightPolicy,
 }
 
 /// Which rows of the final hidden state get logits.
@@ -54,15 +62,19 @@ struct Mtp<B: ModelBackend> {
 }
 
 /// A loaded Qwen3.5/3.8 text model (with its optional MTP head).
+///
+/// The embedding table stays in host memory ([`HostEmbedding`]); `lm_head` is always a device
+/// weight of its own (for tied models, a copy of the embedding in the head format).
 pub struct QwenModel<B: ModelBackend> {
     config: QwenConfig,
-    embed: B::Weight,
+    embed: HostEmbedding,
     norm: B::Weight,
-    lm_head: Option<B::Weight>,
+    lm_head: B::Weight,
     layers: Vec<Layer<B>>,
     mtp: Option<Mtp<B>>,
     weight_bytes: usize,
     mtp_weight_bytes: usize,
+    report: LoadReport,
 }
 
 impl<B: ModelBackend> std::fmt::Debug for QwenModel<B> {
@@ -81,6 +93,7 @@ impl<B: ModelBackend> QwenModel<B> {
     pub fn load(backend: &B, dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
         let _s = tracing::info_span!("qwen_load", dir = %dir.display()).entered();
         let c = QwenConfig::from_model_dir(dir)?;
+        crate::quant::fp8::check_quantization_config(dir)?;
         let ck = Checkpoint::open(dir)?;
         Self::from_source(backend, c, &ck, opts)
     }
@@ -89,6 +102,11 @@ impl<B: ModelBackend> QwenModel<B> {
     /// uploaded through `LinearOps::load_weight` (no file is read or written). The values depend
     /// only on `seed` and the tensor names; the MTP head is created when `opts.load_mtp` is set
     /// and the config has one.
+    ///
+    /// With a quantized `opts.weights` policy the quantized matrices are generated directly as
+    /// random codes + scales (same value scale), never as floats. A quantized `dtype` means
+    /// "bf16 storage, policy `WeightPolicy::new(dtype)`" unless `opts.weights.format` is set.
+    /// The embedding rows are generated on the host on demand.
     pub fn synthetic(
         backend: &B,
         config: &QwenConfig,
@@ -97,8 +115,12 @@ impl<B: ModelBackend> QwenModel<B> {
         opts: &LoadOptions,
     ) -> Result<Self, ModelError> {
         let _s = tracing::info_span!("qwen_synthetic", %dtype, seed).entered();
+        let mut opts = *opts;
+        if dtype.is_quantized() && opts.weights.format.is_none() {
+            opts.weights.format = Some(dtype);
+        }
         let src = crate::synthetic::SyntheticWeights { dtype, seed };
-        Self::from_source(backend, config.clone(), &src, opts)
+        Self::from_source(backend, config.clone(), &src, &opts)
     }
 
     /// Loads every tensor of `c` from `ck` (a checkpoint or synthetic weights).
@@ -113,19 +135,20 @@ impl<B: ModelBackend> QwenModel<B> {
         } else {
             "model."
         };
-        let mut l = Loader {
-            b: backend,
-            ck,
-            bytes: 0,
-        };
+        let mut l = Loader::new(backend, ck, opts.weights);
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed = l.get(&format!("{prefix}embed_tokens.weight"), &[v, h])?;
+        let embed_name = format!("{prefix}embed_tokens.weight");
+        let embed = ck.host_embedding(&embed_name, &[v, h])?;
+        l.report.host_embedding_bytes = embed.host_bytes();
         let norm = l.get(&format!("{prefix}norm.weight"), &[h])?;
-        let lm_head = if c.tie_word_embeddings {
-            None
+        // Tied models: the head is a device copy of the embedding (in the head format), unless
+        // the checkpoint carries its own `lm_head.weight` (kvstream-quantized checkpoints).
+        let head_name = if c.tie_word_embeddings && !ck.contains("lm_head.weight") {
+            embed_name.as_str()
         } else {
-            Some(l.get("lm_head.weight", &[v, h])?)
+            "lm_head.weight"
         };
+        let lm_head = l.load(head_name, &[v, h], Role::Head)?;
         let (mut gi, mut ai) = (0, 0);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, ty) in c.layer_types.iter().enumerate() {
@@ -144,10 +167,11 @@ impl<B: ModelBackend> QwenModel<B> {
                 gi += 1;
             }
         }
-        let before_mtp = l.bytes;
+        let before_mtp = l.report.device_weight_bytes;
         let mtp = if opts.load_mtp && c.mtp_num_hidden_layers > 0 {
+            l.linear_role = Role::Head;
             Some(Mtp {
-                fc: l.get("mtp.fc.weight", &[h, 2 * h])?,
+                fc: l.load("mtp.fc.weight", &[h, 2 * h], Role::Head)?,
                 pre_fc_norm_embedding: l.get("mtp.pre_fc_norm_embedding.weight", &[h])?,
                 pre_fc_norm_hidden: l.get("mtp.pre_fc_norm_hidden.weight", &[h])?,
                 norm: l.get("mtp.norm.weight", &[h])?,
@@ -156,8 +180,16 @@ impl<B: ModelBackend> QwenModel<B> {
         } else {
             None
         };
-        let weight_bytes = l.bytes;
-        let mtp_weight_bytes = l.bytes - before_mtp;
+        let weight_bytes = l.report.device_weight_bytes;
+        let mtp_weight_bytes = weight_bytes - before_mtp;
+        tracing::info!(
+            quantized = l.report.quantized,
+            kept = l.report.kept,
+            fallback = l.report.fallback.len(),
+            device_bytes = weight_bytes,
+            host_embedding_bytes = l.report.host_embedding_bytes,
+            "weights loaded"
+        );
         Ok(Self {
             config: c,
             embed,
@@ -167,6 +199,7 @@ impl<B: ModelBackend> QwenModel<B> {
             mtp,
             weight_bytes,
             mtp_weight_bytes,
+            report: l.report,
         })
     }
 
@@ -178,9 +211,26 @@ impl<B: ModelBackend> QwenModel<B> {
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
     }
-    /// Bytes of all loaded weights (as stored on the device).
+    /// Bytes of all device weights (as stored on the device; the host-resident embedding table
+    /// is not included, see [`QwenModel::load_report`]).
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// What the load did: quantized/kept counts, fallbacks, device and host bytes.
+    pub fn load_report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The host-resident embedding table.
+    pub fn embedding(&self) -> &HostEmbedding {
+        &self.embed
+    }
+
+    /// Embeddings of `ids` (`[T, H]`, f32), gathered on the host and uploaded.
+    fn embed_tokens(&self, b: &B, ids: &[u32]) -> Result<B::Tensor, ModelError> {
+        let vals = self.embed.gather(ids)?;
+        Ok(b.tensor_from_f32(&vals, &[ids.len(), self.config.hidden_size])?)
     }
 
     /// Bytes of the MTP head's weights (0 when it is not loaded); included in
@@ -239,7 +289,7 @@ impl<B: ModelBackend> QwenModel<B> {
         hidden: &B::Tensor,
         rows: LogitRows,
     ) -> Result<Option<B::Tensor>, ModelError> {
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let head = &self.lm_head;
         let t = hidden.numel() / self.config.hidden_size;
         Ok(match rows {
             LogitRows::None => None,
@@ -288,7 +338,7 @@ impl<B: ModelBackend> QwenModel<B> {
         } else {
             DeltaMode::Chunked { chunk: GDN_CHUNK }
         };
-        let mut x = b.embedding(&self.embed, tokens)?;
+        let mut x = self.embed_tokens(b, tokens)?;
         for layer in &self.layers {
             let run = match (&layer.mixer, cps.as_mut()) {
                 (Mixer::Gdn(_, gdn_index), Some(cps)) => Some(GdnRun::Checkpointed {
@@ -340,7 +390,7 @@ impl<B: ModelBackend> QwenModel<B> {
                 next_tokens.len()
             )));
         }
-        let e = b.embedding(&self.embed, next_tokens)?;
+        let e = self.embed_tokens(b, next_tokens)?;
         let e = b.rms_norm(&e, &mtp.pre_fc_norm_embedding, eps, 1.0)?;
         let hn = b.rms_norm(hidden, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
         let hn = b.reshape(hn, &[next_tokens.len(), h])?;

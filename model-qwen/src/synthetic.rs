@@ -3,7 +3,10 @@
 //! straight to the backend (`LinearOps::load_weight` with [`WeightData::from_vec`]): benchmarks
 //! with real geometries need no checkpoint on disk.
 
+use crate::embedding::HostEmbedding;
 use crate::error::ModelError;
+use crate::quant::convert::convert;
+use crate::quant::synth::random_quantized;
 use crate::weights::{Checkpoint, TensorRef};
 use half::{bf16, f16};
 use kvstream_memory_contracts::backend::WeightDType;
@@ -17,6 +20,25 @@ pub trait TensorSource {
     fn contains(&self, name: &str) -> bool;
     /// The tensor `name`, which must have shape `expected`; errors name the tensor.
     fn get(&self, name: &str, expected: &[usize]) -> Result<TensorRef, ModelError>;
+    /// The stored dtype of `name` (checked like [`TensorSource::get`]), ideally without
+    /// touching its bytes.
+    fn stored_dtype(&self, name: &str, expected: &[usize]) -> Result<WeightDType, ModelError> {
+        Ok(self.get(name, expected)?.dtype)
+    }
+    /// The tensor converted to `target` (quantize-at-load; the tensor itself when it is stored
+    /// as `target`). Default: [`TensorSource::get`] then a parallel blocked conversion.
+    fn get_as(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+    ) -> Result<TensorRef, ModelError> {
+        convert(name, self.get(name, expected)?, target)
+    }
+    /// The embedding table `name` `[vocab, hidden]` as a host-side table.
+    fn host_embedding(&self, name: &str, expected: &[usize]) -> Result<HostEmbedding, ModelError> {
+        HostEmbedding::stored(name, self.get(name, expected)?)
+    }
 }
 
 impl TensorSource for Checkpoint {
@@ -25,6 +47,9 @@ impl TensorSource for Checkpoint {
     }
     fn get(&self, name: &str, expected: &[usize]) -> Result<TensorRef, ModelError> {
         Checkpoint::get(self, name, expected)
+    }
+    fn stored_dtype(&self, name: &str, expected: &[usize]) -> Result<WeightDType, ModelError> {
+        Checkpoint::stored_dtype(self, name, expected)
     }
 }
 
@@ -46,6 +71,9 @@ pub enum SyntheticInit {
 }
 
 impl SyntheticInit {
+    /// Half-width of the uniform distribution of synthetic matrices (std 0.02).
+    pub const MATRIX_AMAX: f32 = 0.0346;
+
     /// The role of a tensor, from its (HF) name.
     pub fn for_name(name: &str) -> Self {
         if name.ends_with("A_log") {
@@ -74,7 +102,7 @@ impl SyntheticInit {
             for x in c.iter_mut() {
                 let u: f32 = rng.random_range(-1.0..1.0);
                 *x = match self {
-                    Self::Matrix => u * 0.0346, // std 0.02
+                    Self::Matrix => u * Self::MATRIX_AMAX,
                     Self::Norm => u * 0.17,
                     Self::GatedNorm => 1.0 + u * 0.17,
                     Self::Conv => u * 0.3,
@@ -88,6 +116,14 @@ impl SyntheticInit {
 
 /// Random weights of any requested name and shape, in one stored dtype. Each tensor's values
 /// depend only on the seed and the tensor's name.
+///
+/// A quantized `dtype` stores the tensors as bf16 ([`QwenModel::synthetic`] turns it into a
+/// policy instead). Asked for a quantized format ([`TensorSource::get_as`]), matrices are
+/// generated directly as random codes + scales of the same value scale, never as floats.
+/// The embedding table is never materialised: [`TensorSource::host_embedding`] generates rows
+/// on demand.
+///
+/// [`QwenModel::synthetic`]: crate::QwenModel::synthetic
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyntheticWeights {
     /// Stored dtype of every weight.
@@ -97,14 +133,21 @@ pub struct SyntheticWeights {
 }
 
 /// FNV-1a of a name (a stable per-tensor seed).
-fn name_hash(name: &str) -> u64 {
+pub(crate) fn name_hash(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
 }
 
-/// Encodes f32 values in `dtype` (little endian).
-pub fn encode_weights(dtype: WeightDType, x: &[f32]) -> Vec<u8> {
+/// Encodes f32 values in `dtype` (little endian). Quantized dtypes treat `x` as one row (its
+/// length must fit the format's K rule).
+pub fn encode_weights(
+    dtype: WeightDType,
+    x: &[f32],
+) -> Result<Vec<u8>, kvstream_memory_contracts::weight_format::WeightFormatError> {
+    if dtype.is_quantized() {
+        return kvstream_memory_contracts::weight_format::quantize(dtype, x, &[x.len()]);
+    }
     let mut out = vec![0u8; x.len() * dtype.size()];
     const CHUNK: usize = 1 << 16;
     let sz = dtype.size();
@@ -115,11 +158,22 @@ pub fn encode_weights(dtype: WeightDType, x: &[f32]) -> Vec<u8> {
                 match dtype {
                     WeightDType::F32 => dst.copy_from_slice(&val.to_le_bytes()),
                     WeightDType::F16 => dst.copy_from_slice(&f16::from_f32(val).to_le_bytes()),
-                    WeightDType::Bf16 => dst.copy_from_slice(&bf16::from_f32(val).to_le_bytes()),
+                    _ => dst.copy_from_slice(&bf16::from_f32(val).to_le_bytes()),
                 }
             }
         });
-    out
+    Ok(out)
+}
+
+impl SyntheticWeights {
+    /// The plain dtype tensors are stored in.
+    fn plain(&self) -> WeightDType {
+        if self.dtype.is_quantized() {
+            WeightDType::Bf16
+        } else {
+            self.dtype
+        }
+    }
 }
 
 impl TensorSource for SyntheticWeights {
@@ -131,11 +185,61 @@ impl TensorSource for SyntheticWeights {
         let numel: usize = expected.iter().product();
         let mut vals = vec![0f32; numel];
         SyntheticInit::for_name(name).fill(&mut vals, self.seed ^ name_hash(name));
+        let dtype = self.plain();
+        let bytes = encode_weights(dtype, &vals).map_err(|source| ModelError::WeightFormat {
+            name: name.to_string(),
+            source,
+        })?;
         Ok(TensorRef {
-            dtype: self.dtype,
+            dtype,
             shape: expected.to_vec(),
-            data: WeightData::from_vec(encode_weights(self.dtype, &vals)),
+            data: WeightData::from_vec(bytes),
         })
+    }
+    fn stored_dtype(&self, _name: &str, _expected: &[usize]) -> Result<WeightDType, ModelError> {
+        Ok(self.plain())
+    }
+    fn get_as(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+    ) -> Result<TensorRef, ModelError> {
+        if target.is_quantized() && SyntheticInit::for_name(name) == SyntheticInit::Matrix {
+            let _span = tracing::trace_span!("synthetic_quantized", name, %target).entered();
+            let bytes = random_quantized(
+                target,
+                expected,
+                self.seed ^ name_hash(name),
+                SyntheticInit::MATRIX_AMAX,
+            )
+            .map_err(|source| ModelError::WeightFormat {
+                name: name.to_string(),
+                source,
+            })?;
+            return Ok(TensorRef {
+                dtype: target,
+                shape: expected.to_vec(),
+                data: WeightData::from_vec(bytes),
+            });
+        }
+        convert(name, self.get(name, expected)?, target)
+    }
+    fn host_embedding(&self, name: &str, expected: &[usize]) -> Result<HostEmbedding, ModelError> {
+        match expected {
+            [v, h] => Ok(HostEmbedding::synthetic(
+                name,
+                *v,
+                *h,
+                self.seed,
+                self.plain(),
+            )),
+            _ => Err(ModelError::TensorShape {
+                name: name.to_string(),
+                got: expected.to_vec(),
+                expected: vec![0, 0],
+            }),
+        }
     }
 }
 

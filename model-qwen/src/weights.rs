@@ -1,8 +1,17 @@
 //! Memory-mapped safetensors checkpoints: one `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`. Tensors stay in their stored dtype (F32, F16, BF16) and are
 //! referenced in place through [`WeightData`] (an `Arc` of the mmap), never copied here.
+//!
+//! Two quantized forms are read as well (see `docs/weights.md`):
+//! * kvstream checkpoints ([`crate::save_quantized`]): a quantized tensor is ONE `U8` tensor
+//!   holding the exact quant-spec blob, described by the file's `__metadata__` entry
+//!   `name → "FORMAT:[dims]"` (e.g. `q4_g128:[17408,5120]`); returned zero-copy.
+//! * public FP8 (`F8_E4M3` weights with a `weight_scale_inv` or `weight_scale` sibling):
+//!   mapped onto [`WeightDType::F8E4M3`] (one copy of the codes plus f32 scales).
 
 use crate::error::ModelError;
+use crate::quant::fp8::{fp8_blob, ScaleRef};
+use crate::quant::meta::parse_meta;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::ops::WeightData;
 use memmap2::Mmap;
@@ -20,6 +29,8 @@ struct Entry {
     shape: Vec<usize>,
     offset: usize,
     len: usize,
+    /// The file's `__metadata__` value for this tensor's name, if any.
+    meta: Option<String>,
 }
 
 /// A tensor found in the checkpoint: dtype, shape and its bytes (zero copy).
@@ -33,6 +44,7 @@ pub struct TensorRef {
 /// Every tensor of a checkpoint directory, memory-mapped.
 pub struct Checkpoint {
     dir: PathBuf,
+    files: Vec<PathBuf>,
     maps: Vec<Arc<Mmap>>,
     entries: HashMap<String, Entry>,
 }
@@ -109,6 +121,7 @@ impl Checkpoint {
             let (header, meta) =
                 SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
             let base = 8 + header;
+            let file_meta = meta.metadata().clone().unwrap_or_default();
             for (name, info) in meta.tensors() {
                 if name.starts_with("model.visual.") {
                     continue;
@@ -117,6 +130,7 @@ impl Checkpoint {
                 if s > e || base + e > map.len() {
                     return Err(bad(format!("tensor `{name}` data range outside the file")));
                 }
+                let meta = file_meta.get(&name).cloned();
                 entries.insert(
                     name,
                     Entry {
@@ -125,6 +139,7 @@ impl Checkpoint {
                         shape: info.shape.clone(),
                         offset: base + s,
                         len: e - s,
+                        meta,
                     },
                 );
             }
@@ -132,6 +147,7 @@ impl Checkpoint {
         }
         Ok(Self {
             dir: dir.to_path_buf(),
+            files,
             maps,
             entries,
         })
@@ -152,50 +168,148 @@ impl Checkpoint {
         self.entries.is_empty()
     }
 
-    /// The tensor `name`, which must have shape `expected` and a float dtype.
-    pub fn get(&self, name: &str, expected: &[usize]) -> Result<TensorRef, ModelError> {
-        let e = self
-            .entries
+    fn entry(&self, name: &str, expected: &[usize]) -> Result<&Entry, ModelError> {
+        self.entries
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor {
                 name: name.to_string(),
                 expected: expected.to_vec(),
                 dir: self.dir.clone(),
-            })?;
-        if e.shape != expected {
-            return Err(ModelError::TensorShape {
-                name: name.to_string(),
-                got: e.shape.clone(),
-                expected: expected.to_vec(),
-            });
-        }
-        let dtype = match e.dtype {
-            Dtype::F32 => WeightDType::F32,
-            Dtype::F16 => WeightDType::F16,
-            Dtype::BF16 => WeightDType::Bf16,
+            })
+    }
+
+    fn bytes(&self, e: &Entry) -> &[u8] {
+        let all: &[u8] = &self.maps[e.file][..];
+        &all[e.offset..e.offset + e.len]
+    }
+
+    /// The logical dtype and dims of an entry: plain floats, `U8` + metadata (kvstream
+    /// quantized), `F8_E4M3` (public FP8).
+    fn logical(&self, name: &str, e: &Entry) -> Result<(WeightDType, Vec<usize>), ModelError> {
+        let meta_err = |detail: String| ModelError::QuantMetadata {
+            path: self.files.get(e.file).cloned().unwrap_or_default(),
+            name: name.to_string(),
+            detail,
+        };
+        Ok(match e.dtype {
+            Dtype::F32 => (WeightDType::F32, e.shape.clone()),
+            Dtype::F16 => (WeightDType::F16, e.shape.clone()),
+            Dtype::BF16 => (WeightDType::Bf16, e.shape.clone()),
+            Dtype::F8_E4M3 => (WeightDType::F8E4M3, e.shape.clone()),
+            Dtype::U8 => {
+                let m = e.meta.as_deref().ok_or_else(|| {
+                    meta_err("a U8 tensor without a `__metadata__` entry `FORMAT:[dims]`".into())
+                })?;
+                parse_meta(m).map_err(meta_err)?
+            }
             other => {
                 return Err(ModelError::TensorDType {
                     name: name.to_string(),
                     dtype: format!("{other:?}"),
                 })
             }
-        };
-        let numel: usize = e.shape.iter().product();
-        if numel * dtype.size() != e.len {
+        })
+    }
+
+    /// The stored (logical) dtype of `name`, checked for presence and shape like
+    /// [`Checkpoint::get`], without reading its bytes.
+    pub fn stored_dtype(&self, name: &str, expected: &[usize]) -> Result<WeightDType, ModelError> {
+        let e = self.entry(name, expected)?;
+        let (dtype, shape) = self.logical(name, e)?;
+        if shape != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                got: shape,
+                expected: expected.to_vec(),
+            });
+        }
+        Ok(dtype)
+    }
+
+    /// The tensor `name`, which must have shape `expected` (the logical shape for quantized
+    /// tensors) and a float, kvstream-quantized or FP8 dtype. Errors name the tensor.
+    pub fn get(&self, name: &str, expected: &[usize]) -> Result<TensorRef, ModelError> {
+        let e = self.entry(name, expected)?;
+        let (dtype, shape) = self.logical(name, e)?;
+        if shape != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                got: shape,
+                expected: expected.to_vec(),
+            });
+        }
+        if dtype == WeightDType::F8E4M3 && e.dtype == Dtype::F8_E4M3 {
+            return self.get_public_fp8(name, e);
+        }
+        let want = dtype
+            .storage_bytes(&shape)
+            .map_err(|source| ModelError::WeightFormat {
+                name: name.to_string(),
+                source,
+            })?;
+        if want != e.len {
             return Err(ModelError::Safetensors {
                 path: self.dir.clone(),
-                detail: format!("tensor `{name}`: {} bytes for shape {:?}", e.len, e.shape),
+                detail: format!(
+                    "tensor `{name}`: {} bytes for {dtype} {:?} (expected {want})",
+                    e.len, shape
+                ),
             });
         }
         let source: Arc<dyn AsRef<[u8]> + Send + Sync> = self.maps[e.file].clone();
         Ok(TensorRef {
             dtype,
-            shape: e.shape.clone(),
+            shape,
             data: WeightData {
                 source,
                 offset: e.offset,
                 len: e.len,
             },
+        })
+    }
+
+    /// A public FP8 weight (`F8_E4M3` + `{name}_scale_inv` or `{name}_scale`) as an
+    /// `fp8_e4m3` blob.
+    fn get_public_fp8(&self, name: &str, e: &Entry) -> Result<TensorRef, ModelError> {
+        let (inv, plain) = (format!("{name}_scale_inv"), format!("{name}_scale"));
+        let (sname, se) = match (self.entries.get(&inv), self.entries.get(&plain)) {
+            (Some(s), _) => (inv, s),
+            (None, Some(s)) => (plain, s),
+            (None, None) => {
+                return Err(ModelError::ScaleTensor {
+                    name: name.to_string(),
+                    scale: inv,
+                    detail: format!("missing (nor `{plain}`): an F8_E4M3 weight needs its scales"),
+                })
+            }
+        };
+        let sdtype = match se.dtype {
+            Dtype::F32 => WeightDType::F32,
+            Dtype::F16 => WeightDType::F16,
+            Dtype::BF16 => WeightDType::Bf16,
+            other => {
+                return Err(ModelError::ScaleTensor {
+                    name: name.to_string(),
+                    scale: sname,
+                    detail: format!("dtype {other:?} (expected F32, F16 or BF16)"),
+                })
+            }
+        };
+        let blob = fp8_blob(
+            name,
+            self.bytes(e),
+            &e.shape,
+            &ScaleRef {
+                name: &sname,
+                dtype: sdtype,
+                shape: &se.shape,
+                bytes: self.bytes(se),
+            },
+        )?;
+        Ok(TensorRef {
+            dtype: WeightDType::F8E4M3,
+            shape: e.shape.clone(),
+            data: WeightData::from_vec(blob),
         })
     }
 }
@@ -281,6 +395,44 @@ mod tests {
         assert!(matches!(
             c.get("i.weight", &[1]),
             Err(ModelError::TensorDType { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// compressed-tensors FP8 (`weight_scale` per channel) is read as an `fp8_e4m3` blob whose
+    /// values are e4m3(q) · scale[row]; a U8 tensor without metadata is a typed error.
+    #[test]
+    fn compressed_tensors_fp8_and_u8_without_metadata() {
+        use kvstream_memory_contracts::weight_format::{dequantize, e4m3_to_f32};
+        let d = tmpdir("ct");
+        let (n, k) = (3usize, 200usize);
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 7 % 120) as u8).collect();
+        let scales = [0.5f32, 2.0, 0.125];
+        let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_st(
+            &d.join("model.safetensors"),
+            &[
+                ("a.weight", Dtype::F8_E4M3, vec![n, k], codes.clone()),
+                ("a.weight_scale", Dtype::F32, vec![n, 1], sb),
+                ("b.weight", Dtype::U8, vec![16], vec![0; 16]),
+            ],
+        );
+        let c = Checkpoint::open(&d).expect("open");
+        assert_eq!(
+            c.stored_dtype("a.weight", &[n, k]).ok(),
+            Some(WeightDType::F8E4M3)
+        );
+        let t = c.get("a.weight", &[n, k]).expect("fp8");
+        assert_eq!(t.dtype, WeightDType::F8E4M3);
+        let v = dequantize(WeightDType::F8E4M3, t.data.bytes(), &[n, k]).expect("deq");
+        for r in 0..n {
+            for j in 0..k {
+                assert_eq!(v[r * k + j], e4m3_to_f32(codes[r * k + j]) * scales[r]);
+            }
+        }
+        assert!(matches!(
+            c.get("b.weight", &[16]),
+            Err(ModelError::QuantMetadata { name, .. }) if name == "b.weight"
         ));
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -61,7 +61,15 @@ struct Setup {
 
 fn setup(name: &str) -> Setup {
     let b = CpuBackend::new();
-    let model = QwenModel::load(&b, &dir(name), &LoadOptions { load_mtp: true }).expect("load");
+    let model = QwenModel::load(
+        &b,
+        &dir(name),
+        &LoadOptions {
+            load_mtp: true,
+            ..Default::default()
+        },
+    )
+    .expect("load");
     assert!(model.has_mtp());
     Setup {
         b,
