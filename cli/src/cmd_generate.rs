@@ -126,7 +126,16 @@ impl OnBackend for Run {
             })
             .context("generation failed")?;
         if json {
+            let r = engine.load_report();
             let v = serde_json::json!({
+                "weights": {
+                    "policy": crate::args::describe_policy(&engine.engine_config().weights),
+                    "device_bytes": r.device_weight_bytes,
+                    "host_embedding_bytes": r.host_embedding_bytes,
+                    "quantized": r.quantized,
+                    "kept": r.kept,
+                    "fallback": r.fallback.len(),
+                },
                 "prompt_tokens": result.prompt_tokens,
                 "tokens": result.tokens,
                 "text": result.text,

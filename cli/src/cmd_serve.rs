@@ -2,7 +2,7 @@
 
 use crate::args::EngineArgs;
 use crate::backend_select::{dispatch, OnBackend};
-use crate::serve::api::GenParams;
+use crate::serve::api::{ApiError, GenParams};
 use crate::serve::routes::AppState;
 use crate::serve::worker::{self, Detokenizer, Generator, Outcome};
 use anyhow::{Context, Result};
@@ -11,6 +11,7 @@ use kvstream_memory_contracts::ops::ModelBackend;
 use kvstream_runtime::chat::{ChatMessage, TextCodec};
 use kvstream_runtime::engine::{Engine, Flow, GenerateRequest, Prompt, StopReason};
 use kvstream_runtime::sampling::SamplingParams;
+use kvstream_runtime::{ImageInput, RuntimeError, VisionOptions};
 use std::sync::Arc;
 
 /// Flags of `serve`.
@@ -33,6 +34,47 @@ pub struct ServeArgs {
     /// Model name reported by /v1/models (default: the model directory's name).
     #[arg(long)]
     pub model_alias: Option<String>,
+    /// Keep the vision tower's weights loaded between images (no reload per image; each arena
+    /// loan then covers only the encode workspace).
+    #[arg(long)]
+    pub vision_keep_resident: bool,
+}
+
+/// The generate request of a prompt and validated parameters (no prompt cache).
+fn request(prompt: &[u32], params: &GenParams) -> GenerateRequest {
+    let mut req = GenerateRequest::new(Prompt::Tokens(prompt.to_vec()), params.max_tokens);
+    req.stop_at_eos = !params.ignore_eos;
+    req.sampling = SamplingParams {
+        temperature: params.temperature,
+        top_k: params.top_k,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        seed: params.seed.unwrap_or(0),
+        repeat_penalty: params.repeat_penalty,
+        presence_penalty: params.presence_penalty,
+        frequency_penalty: params.frequency_penalty,
+        ..SamplingParams::default()
+    };
+    req
+}
+
+/// HTTP status of an engine error on an image request: what the client sent (image bytes,
+/// formats, sizes, placeholders, prompt length) is a 400; engine failures are 500s.
+fn api_error(e: RuntimeError) -> ApiError {
+    match e {
+        RuntimeError::ImageTooLarge { .. }
+        | RuntimeError::Image(_)
+        | RuntimeError::InvalidRequest(_)
+        | RuntimeError::PromptTooLong { .. }
+        | RuntimeError::Tokenizer(_)
+        | RuntimeError::Template(_) => ApiError::invalid(e.to_string(), Some("messages")),
+        e => ApiError {
+            status: 500,
+            message: e.to_string(),
+            kind: "server_error",
+            param: None,
+        },
+    }
 }
 
 /// The engine behind the server.
@@ -74,20 +116,8 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
         params: &GenParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Outcome, String> {
-        let mut req = GenerateRequest::new(Prompt::Tokens(prompt.to_vec()), params.max_tokens);
-        req.stop_at_eos = !params.ignore_eos;
+        let mut req = request(prompt, params);
         req.reuse_prefix = true;
-        req.sampling = SamplingParams {
-            temperature: params.temperature,
-            top_k: params.top_k,
-            top_p: params.top_p,
-            min_p: params.min_p,
-            seed: params.seed.unwrap_or(0),
-            repeat_penalty: params.repeat_penalty,
-            presence_penalty: params.presence_penalty,
-            frequency_penalty: params.frequency_penalty,
-            ..SamplingParams::default()
-        };
         let r = self
             .engine
             .generate(&req, |ev| {
@@ -104,6 +134,49 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
         Ok(Outcome {
             completion_tokens: r.tokens,
             cached_tokens: r.cached_tokens,
+            hit_eos: r.stop == StopReason::Eos,
+        })
+    }
+    fn prepare_image(&mut self, bytes: &[u8]) -> Result<ImageInput, ApiError> {
+        self.engine.preprocess_image(bytes).map_err(api_error)
+    }
+    fn render_chat_with_images(
+        &mut self,
+        messages: &[(String, String)],
+        images: &[ImageInput],
+    ) -> Result<Vec<u32>, ApiError> {
+        let msgs: Vec<ChatMessage> = messages
+            .iter()
+            .map(|(r, c)| ChatMessage::new(r.clone(), c.clone()))
+            .collect();
+        self.engine
+            .chat_tokens_with_images(&msgs, images)
+            .map_err(api_error)
+    }
+    fn generate_with_images(
+        &mut self,
+        prompt: &[u32],
+        images: &[ImageInput],
+        params: &GenParams,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Outcome, ApiError> {
+        let req = request(prompt, params);
+        let r = self
+            .engine
+            .generate_multimodal(&req, images, |ev| {
+                if on_token(ev.token) {
+                    Flow::Continue
+                } else {
+                    Flow::Stop
+                }
+            })
+            .map_err(api_error)?;
+        self.requests += 1;
+        self.prompt_tokens += prompt.len() as u64;
+        self.completion_tokens += r.tokens.len() as u64;
+        Ok(Outcome {
+            completion_tokens: r.tokens,
+            cached_tokens: 0,
             hit_eos: r.stop == StopReason::Eos,
         })
     }
@@ -176,6 +249,45 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
             "counter",
             self.requests as f64,
         );
+        let v = self.engine.vision_stats();
+        g(
+            "kvstream_vision_images_total",
+            "Images encoded (each in an arena loan).",
+            "counter",
+            v.images as f64,
+        );
+        g(
+            "kvstream_vision_refused_total",
+            "Images refused as too large for the arena.",
+            "counter",
+            v.refused as f64,
+        );
+        g(
+            "kvstream_vision_peak_loan_bytes",
+            "Largest arena loan to the vision tower.",
+            "gauge",
+            v.peak_loan_bytes as f64,
+        );
+        g(
+            "kvstream_vision_resident_weight_bytes",
+            "Vision tower weights kept resident outside the arena.",
+            "gauge",
+            v.resident_weight_bytes as f64,
+        );
+        if let Some(l) = v.loans.last() {
+            g(
+                "kvstream_arena_used_after_image_bytes",
+                "Arena bytes in use after the last image's loan was returned.",
+                "gauge",
+                l.arena_used_after as f64,
+            );
+            g(
+                "kvstream_arena_used_text_bytes",
+                "Arena bytes in use in the text phase before the last image's loan.",
+                "gauge",
+                l.arena_used_text as f64,
+            );
+        }
         out
     }
 }
@@ -188,6 +300,7 @@ impl OnBackend for Run {
         let args = self.0;
         let cfg = args.engine.engine_config()?;
         let dir = args.engine.model.clone();
+        let vision_keep_resident = args.vision_keep_resident;
         let model_id = args.model_alias.clone().unwrap_or_else(|| {
             dir.file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -197,7 +310,11 @@ impl OnBackend for Run {
         let handle = worker::spawn(
             move || {
                 let codec = Arc::new(TextCodec::load(&dir).map_err(|e| e.to_string())?);
-                let engine = Engine::load(backend, cfg).map_err(|e| e.to_string())?;
+                let mut engine = Engine::load(backend, cfg).map_err(|e| e.to_string())?;
+                engine.set_vision_options(VisionOptions {
+                    keep_weights_resident: vision_keep_resident,
+                    ..VisionOptions::default()
+                });
                 Ok(EngineGenerator {
                     engine,
                     codec,

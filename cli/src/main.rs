@@ -6,6 +6,7 @@ mod bench;
 mod cmd_generate;
 mod cmd_inspect;
 mod cmd_logits;
+mod cmd_quantize;
 mod cmd_serve;
 mod serve;
 mod synth;
@@ -35,6 +36,8 @@ enum Command {
     Inspect(cmd_inspect::InspectArgs),
     /// OpenAI-compatible HTTP server.
     Serve(cmd_serve::ServeArgs),
+    /// Convert a model directory to quantized weights (q8_0, q4_g128, fp8_e4m3) once.
+    Quantize(cmd_quantize::QuantizeArgs),
     /// Benchmark sweep: contexts × MTP draft counts × KV arena sizes, with a roofline.
     Bench(bench::BenchArgs),
     /// Write a random-weight checkpoint with a real model geometry (HF naming, safetensors).
@@ -54,6 +57,9 @@ enum Command {
         /// Largest shard in MiB.
         #[arg(long, default_value_t = 4096)]
         shard_mib: usize,
+        /// Write only config.json (plan memory with `inspect --model` without the weights).
+        #[arg(long)]
+        config_only: bool,
     },
 }
 
@@ -81,6 +87,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => cmd_logits::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Serve(a) => cmd_serve::run(a),
+        Command::Quantize(a) => cmd_quantize::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Synth {
             geometry,
@@ -88,9 +95,20 @@ fn run(cli: Cli) -> Result<()> {
             dtype,
             seed,
             shard_mib,
+            config_only,
         } => {
             let g = synth::Geometry::preset(&geometry)?;
             let dt = synth::SynthDType::parse(&dtype)?;
+            if config_only {
+                synth::write_config_only(&g, dt, &out)?;
+                println!(
+                    "wrote {}/config.json ({}, {} parameters, no weights)",
+                    out.display(),
+                    g.name,
+                    g.parameters()
+                );
+                return Ok(());
+            }
             synth::write_checkpoint(&g, dt, &out, seed, shard_mib << 20)?;
             println!(
                 "wrote {} ({} parameters, {dtype}) to {}",

@@ -333,6 +333,26 @@ fn fill(init: Init, out: &mut [f32], seed: u64) {
     });
 }
 
+/// The [`QwenConfig`] of the preset `name` (what `config.json` of `kvstream synth` parses to).
+pub fn preset_config(name: &str) -> Result<kvstream_model_qwen::QwenConfig> {
+    let geo = Geometry::preset(name)?;
+    let json = geo.config_json("bfloat16").to_string();
+    Ok(kvstream_model_qwen::QwenConfig::from_json_str(
+        &json,
+        Path::new(&format!("synthetic:{name}")),
+    )?)
+}
+
+/// Writes only `config.json` of `geometry` into `out` (created if needed): enough for
+/// `kvstream inspect --model` to plan memory without the weights.
+pub fn write_config_only(geometry: &Geometry, dtype: SynthDType, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let cfg = geometry.config_json(dtype.hf_name());
+    let path = out.join("config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// Stored dtype of a synthetic checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SynthDType {
@@ -445,9 +465,7 @@ pub fn write_checkpoint(
             serde_json::to_string_pretty(&index)?,
         )?;
     }
-    let cfg = geometry.config_json(dtype.hf_name());
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
-    Ok(())
+    write_config_only(geometry, dtype, out)
 }
 
 #[cfg(test)]
@@ -460,6 +478,24 @@ mod tests {
         let g = Geometry::preset("qwen3.8-27b").expect("preset");
         assert_eq!(g.parameters(), 26_895_998_464 + 424_699_392);
         assert_eq!((0..64).filter(|&i| g.is_full(i)).count(), 16);
+    }
+
+    #[test]
+    fn config_only_writes_just_a_parseable_config() {
+        let g = Geometry::preset("qwen3.8-27b").expect("preset");
+        let dir = std::env::temp_dir().join(format!("kvstream-cfgonly-{}", std::process::id()));
+        write_config_only(&g, SynthDType::Bf16, &dir).expect("write");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("config.json")]);
+        let c = kvstream_model_qwen::QwenConfig::from_model_dir(&dir).expect("config");
+        let mut want = preset_config("qwen3.8-27b").expect("preset");
+        want.path = c.path.clone();
+        assert_eq!(c, want);
+        assert_eq!((c.hidden_size, c.n_attention_layers()), (5120, 16));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -24,6 +24,59 @@ impl ChatMessage {
     }
 }
 
+/// What an image content part renders to in a message (HF's Qwen chat template for
+/// `{"type": "image"}`); the single `<|image_pad|>` is expanded to the image's token count by
+/// [`expand_image_pads`] after tokenization (what HF's processor does in text).
+pub const IMAGE_PLACEHOLDER: &str = "<|vision_start|><|image_pad|><|vision_end|>";
+
+/// One content part of a multimodal message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatPart {
+    /// Text, rendered as is.
+    Text(String),
+    /// An image, rendered as [`IMAGE_PLACEHOLDER`] (the images travel separately, in order).
+    Image,
+}
+
+impl ChatMessage {
+    /// A message from content parts: texts concatenated, each image as [`IMAGE_PLACEHOLDER`]
+    /// (what HF's Qwen template renders for a content list).
+    pub fn from_parts(role: impl Into<String>, parts: &[ChatPart]) -> Self {
+        let mut content = String::new();
+        for p in parts {
+            match p {
+                ChatPart::Text(t) => content.push_str(t),
+                ChatPart::Image => content.push_str(IMAGE_PLACEHOLDER),
+            }
+        }
+        Self::new(role, content)
+    }
+}
+
+/// Replaces the i-th `pad` token of `tokens` by `counts[i]` pads (the merged grid t·h·w/4 of
+/// image i). Fails with [`RuntimeError::InvalidRequest`] when the prompt holds a different
+/// number of placeholders than there are images (e.g. a literal `<|image_pad|>` in user text).
+pub fn expand_image_pads(tokens: &[u32], pad: u32, counts: &[usize]) -> Result<Vec<u32>> {
+    let found = tokens.iter().filter(|&&t| t == pad).count();
+    if found != counts.len() {
+        return Err(RuntimeError::InvalidRequest(format!(
+            "the prompt has {found} image placeholder(s) for {} image(s)",
+            counts.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(tokens.len() + counts.iter().sum::<usize>());
+    let mut next = counts.iter();
+    for &t in tokens {
+        if t == pad {
+            let n = next.next().copied().unwrap_or(0);
+            out.extend(std::iter::repeat_n(pad, n));
+        } else {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
 /// The model's tokenizer and, if it has one, its chat template.
 #[derive(Debug)]
 pub struct TextCodec {
@@ -208,6 +261,33 @@ mod tests {
         let ids = codec.encode(&text).expect("encodes");
         assert_eq!(ids.first(), Some(&510));
         assert_eq!(codec.decode(&ids, false).expect("decodes"), text);
+    }
+
+    #[test]
+    fn image_parts_render_placeholders_and_pads_expand_per_image() {
+        let m = ChatMessage::from_parts(
+            "user",
+            &[
+                ChatPart::Image,
+                ChatPart::Text("compare".into()),
+                ChatPart::Image,
+            ],
+        );
+        assert_eq!(
+            m.content,
+            format!("{IMAGE_PLACEHOLDER}compare{IMAGE_PLACEHOLDER}")
+        );
+        // Token level: 7 = start, 9 = pad, 8 = end.
+        let toks = [1, 7, 9, 8, 2, 7, 9, 8, 3];
+        let out = expand_image_pads(&toks, 9, &[4, 6]).expect("expands");
+        assert_eq!(out.len(), toks.len() + 3 + 5);
+        assert_eq!(&out[..7], &[1, 7, 9, 9, 9, 9, 8]);
+        assert_eq!(out.iter().filter(|&&t| t == 9).count(), 10);
+        assert_eq!(out.last(), Some(&3));
+        assert!(matches!(
+            expand_image_pads(&toks, 9, &[4]),
+            Err(RuntimeError::InvalidRequest(_))
+        ));
     }
 
     #[test]

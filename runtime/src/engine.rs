@@ -15,7 +15,8 @@ use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::ops::{ModelBackend, Position3};
 use kvstream_model_qwen::{
-    AttentionPhase, LoadOptions, LogitRows, ModelError, QwenConfig, QwenModel, RecurrentState,
+    AttentionPhase, LoadOptions, LoadReport, LogitRows, ModelError, QwenConfig, QwenModel,
+    RecurrentState, WeightPolicy,
 };
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -24,6 +25,9 @@ use std::time::Instant;
 #[path = "synthetic.rs"]
 mod synthetic;
 pub use synthetic::TimedStep;
+
+/// Default ring depth while streaming (see [`EngineConfig::stream_ring_bytes`]).
+pub const DEFAULT_STREAM_RING_BYTES: u64 = 128 << 20;
 
 /// How the engine is set up. Build with [`EngineConfig::new`] and adjust fields.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,6 +50,11 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Minimum ring slots of the pool (default 1). Larger values force streaming (tests).
     pub min_ring_slots: usize,
+    /// Ring depth the policy aims for while layers stream (default [`DEFAULT_STREAM_RING_BYTES`],
+    /// capped at an eighth of the pool; 0 = only `min_ring_slots`). Measured on the H200 at
+    /// 256 Ki tokens: a 16 MB ring idles the link between streamed layers (44 GB/s), 136 MB
+    /// keeps it at 52 GB/s (docs/benchmarks.md).
+    pub stream_ring_bytes: u64,
     /// Resident pages a streamed layer keeps at least (default 1; 0 streams whole layers).
     pub min_resident_pages: usize,
     /// Caps the KV pool at this many pages whatever the arena holds (sweeps, tests that force
@@ -58,6 +67,10 @@ pub struct EngineConfig {
     /// the MTP weights and gives its attention layer a place in the pool; a model without an
     /// MTP head is a capability error at load, before any weight is read. Default `None`.
     pub spec: Option<SpecConfig>,
+    /// Device formats of the weights (`--weights`, `--weights-head`): decoder linears, and the
+    /// head (`lm_head` + MTP). Default: every tensor as stored in the checkpoint. Quantized
+    /// formats are converted at load time (or loaded as saved by `kvstream quantize`).
+    pub weights: WeightPolicy,
 }
 
 impl EngineConfig {
@@ -72,10 +85,12 @@ impl EngineConfig {
             page_tokens: 256,
             prefill_chunk: 256,
             min_ring_slots: 1,
+            stream_ring_bytes: DEFAULT_STREAM_RING_BYTES,
             min_resident_pages: 1,
             max_pool_pages: None,
             checkpoint_steps: true,
             spec: None,
+            weights: WeightPolicy::as_stored(),
         }
     }
 }
@@ -199,6 +214,8 @@ pub struct Engine<B: ModelBackend> {
     pub(crate) prompt_cp: Option<crate::prompt_cache::PromptCheckpoint<B>>,
     /// Called after every prefill chunk with (tokens done, tokens total).
     pub(crate) prefill_progress: Option<PrefillProgress>,
+    /// Images: vision tower, M-RoPE position map of the session, loan stats.
+    pub(crate) mm: crate::multimodal::MultimodalState,
 }
 
 /// A prefill progress callback: `(tokens done, tokens total)` of the current prefill.
@@ -256,6 +273,16 @@ fn plan_input<B: ModelBackend>(
     cfg: &EngineConfig,
     config: &QwenConfig,
 ) -> Result<ArenaPlanInput> {
+    plan_input_checked(backend, cfg, config, true)
+}
+
+/// [`plan_input`]; `check_files` also checks that the checkpoint holds the MTP tensors.
+fn plan_input_checked<B: ModelBackend>(
+    backend: &B,
+    cfg: &EngineConfig,
+    config: &QwenConfig,
+    check_files: bool,
+) -> Result<ArenaPlanInput> {
     if cfg.ctx_size == 0 {
         return Err(RuntimeError::InvalidConfig("ctx_size must be > 0".into()));
     }
@@ -280,7 +307,9 @@ fn plan_input<B: ModelBackend>(
     )?;
     if let Some(spec) = &cfg.spec {
         spec.validate()?;
-        crate::mtp::check_mtp_capability(backend, config, &cfg.model_dir)?;
+        if check_files {
+            crate::mtp::check_mtp_capability(backend, config, &cfg.model_dir)?;
+        }
     }
     let layers = config.n_attention_layers() + usize::from(cfg.spec.is_some());
     let mut pol = PolicyConfig::new(layers, 0, geometry.pages_for(cfg.ctx_size));
@@ -312,9 +341,9 @@ pub(crate) struct Emitter {
     pub(crate) history: Vec<u32>,
     pub(crate) generated: Vec<u32>,
     pub(crate) text: String,
-    eos: Vec<u32>,
-    n_predict: usize,
-    stop_at_eos: bool,
+    pub(crate) eos: Vec<u32>,
+    pub(crate) n_predict: usize,
+    pub(crate) stop_at_eos: bool,
 }
 
 impl Emitter {
@@ -391,6 +420,18 @@ pub fn check_admission<B: ModelBackend>(
     admit(&input, &admitted_phases(cfg))
 }
 
+/// Admission from a model configuration alone (no file is read: `cfg.model_dir` is ignored and
+/// the checkpoint's MTP tensors are not checked). Used to plan a model whose weights are not at
+/// hand (`kvstream inspect --synthetic`, a directory holding only `config.json`).
+pub fn check_admission_for_config<B: ModelBackend>(
+    backend: &B,
+    cfg: &EngineConfig,
+    config: &QwenConfig,
+) -> Result<Vec<PhaseLayout>> {
+    let input = plan_input_checked(backend, cfg, config, false)?;
+    admit(&input, &admitted_phases(cfg))
+}
+
 impl<B: ModelBackend> Engine<B> {
     /// Loads the engine. Order: config → admission of every phase (fails before any weight is
     /// read) → arena allocation → weights → tokenizer/template (optional) → pinned host history.
@@ -414,7 +455,20 @@ impl<B: ModelBackend> Engine<B> {
         let parent = backend.alloc_buffer(input.arena_bytes)?;
         let arena = PhaseArena::new(parent, input)?;
         let load_mtp = cfg.spec.is_some();
-        let model = make_model(&backend, &LoadOptions { load_mtp })?;
+        let opts = LoadOptions {
+            load_mtp,
+            weights: cfg.weights,
+        };
+        let model = make_model(&backend, &opts)?;
+        let report = model.load_report();
+        tracing::info!(
+            quantized = report.quantized,
+            kept = report.kept,
+            fallback = report.fallback.len(),
+            device_weight_bytes = report.device_weight_bytes,
+            host_embedding_bytes = report.host_embedding_bytes,
+            "weights loaded"
+        );
         if load_mtp && !model.has_mtp() {
             return Err(RuntimeError::Protocol("the MTP head did not load".into()));
         }
@@ -432,6 +486,7 @@ impl<B: ModelBackend> Engine<B> {
             ctx_tokens: cfg.ctx_size,
             policy,
             mtp: load_mtp,
+            stream_ring_bytes: cfg.stream_ring_bytes,
         };
         let kv = StreamingKv::new(&backend, kv_cfg, arena)?;
         let state = model.new_recurrent_state(&backend)?;
@@ -452,6 +507,7 @@ impl<B: ModelBackend> Engine<B> {
             session_tokens: Vec::new(),
             prompt_cp: None,
             prefill_progress: None,
+            mm: Default::default(),
         })
     }
 
@@ -472,6 +528,21 @@ impl<B: ModelBackend> Engine<B> {
     /// The model configuration.
     pub fn model_config(&self) -> &QwenConfig {
         &self.config
+    }
+    /// What the weight load did: tensors quantized / kept / fallen back, device weight bytes and
+    /// the host bytes of the embedding table.
+    pub fn load_report(&self) -> &LoadReport {
+        self.model.load_report()
+    }
+    /// The device memory plan of this engine: the weights as loaded ([`LoadReport`]), the
+    /// recurrent state copies, the arena and `opts.fixed_overhead`, with the verdict against
+    /// `opts.budget`.
+    pub fn memory_plan(
+        &self,
+        opts: &crate::memory_plan::PlanOptions,
+    ) -> Result<crate::memory_plan::MemoryPlan> {
+        let weights = crate::memory_plan::WeightRows::loaded(self.load_report(), &self.cfg.weights);
+        crate::memory_plan::plan_memory(&self.config, &self.cfg, &weights, opts)
     }
     /// Admitted phase layouts (computed at load).
     pub fn phase_layouts(&self) -> &[PhaseLayout] {
@@ -502,6 +573,7 @@ impl<B: ModelBackend> Engine<B> {
         self.mtp_tail = None;
         self.session_tokens.clear();
         self.prompt_cp = None;
+        self.mm.positions.clear();
         Ok(())
     }
 
@@ -605,12 +677,7 @@ impl<B: ModelBackend> Engine<B> {
         checkpoints: Option<&mut Vec<RecurrentState<B>>>,
     ) -> Result<StepOut<B>> {
         let p0 = self.kv.committed_tokens();
-        let positions: Vec<Position3> = (0..tokens.len())
-            .map(|i| {
-                let p = (p0 + i) as u32;
-                [p, p, p]
-            })
-            .collect();
+        let positions: Vec<Position3> = self.mm.positions.range(p0, tokens.len());
         let checkpoint = if self.cfg.checkpoint_steps {
             Some(self.state.checkpoint(&self.backend)?)
         } else {
@@ -792,7 +859,7 @@ impl<B: ModelBackend> Engine<B> {
     }
 
     /// The non-speculative decode loop: one token per step.
-    fn decode_plain(
+    pub(crate) fn decode_plain(
         &mut self,
         em: &mut Emitter,
         first_logits: Vec<f32>,
@@ -818,7 +885,7 @@ impl<B: ModelBackend> Engine<B> {
         }
     }
 
-    fn result(
+    pub(crate) fn result(
         &self,
         prompt: Vec<u32>,
         tokens: Vec<u32>,

@@ -66,6 +66,22 @@ pub enum RuntimeError {
     #[error("model: {0}")]
     Model(#[from] kvstream_model_qwen::ModelError),
 
+    /// An image's vision loan (tower weights + encode workspace) does not fit the arena. Checked
+    /// before anything changes: the session keeps its state.
+    #[error("image {image} needs a vision loan of {needed} bytes but the arena has {available} bytes available; use a smaller image or a larger --kv-arena")]
+    ImageTooLarge {
+        /// Index of the image in the request.
+        image: usize,
+        /// Bytes of the loan (weights unless kept resident, plus the encode workspace).
+        needed: u64,
+        /// Bytes the arena can lend (the whole arena: the KV pool is suspended during a loan).
+        available: u64,
+    },
+
+    /// An image could not be decoded or preprocessed, or the model has no vision tower.
+    #[error("image: {0}")]
+    Image(#[from] kvstream_model_qwen::VisionError),
+
     /// The placement policy could not produce a layout for the pool.
     #[error("placement: {0}")]
     Placement(String),

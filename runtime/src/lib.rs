@@ -58,6 +58,8 @@
 //! * [`prefetch`]: ring-slot scheduler (FIFO ownership, waves, bounded lookahead).
 //! * [`streaming_kv`]: [`StreamingKv`], the model's `AttentionKv` implementation.
 //! * [`phase`]: phase arena layouts, admission and the transition protocol.
+//! * [`memory_plan`]: the device memory plan (weights by class + recurrent state + arena +
+//!   fixed overhead) and its verdict against a device budget.
 //! * [`engine`], [`sampling`], [`chat`], [`stats`], [`size`], [`error`].
 //!
 //! Speculative decoding with the MTP head ([`EngineConfig::spec`] = [`SpecConfig`]`{ draft_n_max }`,
@@ -66,6 +68,11 @@
 //! acceptance rules. [`Engine::mtp_logits`] gives the MTP head's logits through the streaming
 //! path; [`EngineStats::spec`] reports drafted/accepted tokens and the extra device memory.
 //!
+//! Images ([`multimodal`]): [`Engine::preprocess_image`] → [`ImageInput`];
+//! [`Engine::generate_multimodal`] / [`Engine::start_session_multimodal`] encode each image in an
+//! arena loan ([`Phase::Vision`]), prefill with the image rows at M-RoPE positions and decode on
+//! (plain or MTP); [`Engine::vision_stats`] records every loan and the arena use after it.
+//!
 //! Prompt cache: [`GenerateRequest::reuse_prefix`] reuses the session's host KV history and a
 //! recurrent-state checkpoint at the shared prefix ([`prompt_cache`]);
 //! [`GenerateResult::cached_tokens`] reports how many prompt tokens were not prefilled.
@@ -73,7 +80,9 @@
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod memory_plan;
 pub mod mtp;
+pub mod multimodal;
 pub mod phase;
 pub mod placement;
 pub mod policy;
@@ -85,13 +94,20 @@ pub mod speculative;
 pub mod stats;
 pub mod streaming_kv;
 
-pub use chat::{ChatMessage, TextCodec};
+pub use chat::{expand_image_pads, ChatMessage, ChatPart, TextCodec, IMAGE_PLACEHOLDER};
 pub use engine::TimedStep;
 pub use engine::{
-    check_admission, check_kv_pair, Engine, EngineConfig, Flow, GenerateRequest, GenerateResult,
-    Prompt, StopReason, TokenEvent,
+    check_admission, check_admission_for_config, check_kv_pair, Engine, EngineConfig, Flow,
+    GenerateRequest, GenerateResult, Prompt, StopReason, TokenEvent,
 };
 pub use error::RuntimeError;
+pub use memory_plan::{
+    plan_from_config, plan_memory, MemoryPlan, PlanOptions, Verdict, WeightRows,
+};
+pub use multimodal::{
+    vision_weight_bytes, vision_workspace_bytes, ImageInput, LoanRecord, PositionMap,
+    VisionOptions, VisionStats,
+};
 pub use phase::{Phase, PhaseLayout};
 pub use sampling::{Sampler, SamplingParams};
 pub use size::parse_size;

@@ -32,7 +32,7 @@ use crate::{Flow, StopReason, TokenEvent};
 use kvstream_memory_contracts::error::CapabilityError;
 use kvstream_memory_contracts::ops::ModelBackend;
 use kvstream_model_qwen::weights::Checkpoint;
-use kvstream_model_qwen::{text_positions, AttentionPhase, LogitRows, QwenConfig};
+use kvstream_model_qwen::{AttentionPhase, LogitRows, QwenConfig};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::path::Path;
@@ -95,7 +95,8 @@ impl<B: ModelBackend> Engine<B> {
     ) -> Result<StepOut<B>> {
         let _span = tracing::debug_span!("mtp_step", t = next_tokens.len()).entered();
         let p0 = self.kv.mtp_tokens();
-        let positions = text_positions(p0, next_tokens.len());
+        // The MTP head gets the target's positions (M-RoPE after images).
+        let positions = self.mm.positions.range(p0, next_tokens.len());
         self.kv
             .begin_step(&self.backend, AttentionPhase::Mtp, next_tokens.len())?;
         let out = match self.model.mtp_forward(

@@ -9,6 +9,14 @@
 //! | `workspace` (compute activations) | `chunk × per-token bytes` | `width × per-token bytes` |
 //! | `attn_scratch` (resumable accumulator) | `chunk × q_heads × (head_dim + 2) × 4` | `width × …` |
 //!
+//! | `vision` (only in [`Phase::Vision`]) | — | — |
+//!
+//! [`Phase::Vision`] is an *arena loan*: the KV pool and the text workspaces are released (the
+//! device KV mirrors are suspended; the host history stays the truth and every resident page is
+//! refilled from it on the next text step) and one `vision` region of the requested bytes is
+//! leased for the vision tower's weights and workspace. Returning the loan is an ordinary
+//! transition back to a text phase, after which the arena's use is exactly the text-only level.
+//!
 //! Recurrent (GDN) state, weights, the host history and outputs live outside the arena.
 //! A transition follows drain → invalidate → release leases → commit → rebind; the first two are
 //! the KV manager's job ([`crate::streaming_kv::StreamingKv::set_phase`]), the rest is
@@ -35,6 +43,9 @@ pub enum Phase {
     Verify { width: usize },
     /// Zero grants: the host history is kept, the device holds nothing.
     Suspended,
+    /// Arena loan to the vision tower: no KV pool, no text workspace, one `vision` region of
+    /// `bytes` (weights + workspace of one image encode). See [`crate::multimodal`].
+    Vision { bytes: usize },
 }
 
 impl fmt::Display for Phase {
@@ -44,6 +55,7 @@ impl fmt::Display for Phase {
             Phase::Decode { width } => write!(f, "decode(width {width})"),
             Phase::Verify { width } => write!(f, "verify(width {width})"),
             Phase::Suspended => f.write_str("suspended"),
+            Phase::Vision { bytes } => write!(f, "vision({bytes} bytes)"),
         }
     }
 }
@@ -117,8 +129,27 @@ pub fn plan_phase(input: &ArenaPlanInput, phase: Phase) -> Result<PhaseLayout> {
     let width = match phase {
         Phase::Prefill => input.prefill_chunk,
         Phase::Decode { width } | Phase::Verify { width } => width,
-        Phase::Suspended => 0,
+        Phase::Suspended | Phase::Vision { .. } => 0,
     };
+    if let Phase::Vision { bytes } = phase {
+        let region = align(bytes);
+        if input.arena_bytes < region {
+            return Err(RuntimeError::ArenaTooSmall {
+                phase: phase.to_string(),
+                required: region as u64,
+                arena: input.arena_bytes as u64,
+                missing: (region - input.arena_bytes) as u64,
+            });
+        }
+        return Ok(PhaseLayout {
+            phase,
+            pool_bytes: 0,
+            pool_pages: 0,
+            workspace_bytes: region,
+            scratch_bytes: 0,
+            required_bytes: region,
+        });
+    }
     if phase == Phase::Suspended {
         return Ok(PhaseLayout {
             phase,
@@ -170,6 +201,9 @@ pub struct RegionPeaks {
     pub kv_pool: usize,
     pub workspace: usize,
     pub attn_scratch: usize,
+    /// Largest vision loan ([`Phase::Vision`]).
+    #[serde(default)]
+    pub vision: usize,
     pub total: usize,
 }
 
@@ -248,8 +282,14 @@ impl<B: Backend> PhaseArena<B> {
             if layout.pool_bytes > 0 {
                 s.reserve_at("kv_pool", 0, layout.pool_bytes, false)?;
             }
+            // A vision loan's region is named `vision` so that nothing text-side can lease it.
+            let ws_id = if matches!(phase, Phase::Vision { .. }) {
+                "vision"
+            } else {
+                "workspace"
+            };
             if layout.workspace_bytes > 0 {
-                s.reserve("workspace", layout.workspace_bytes, REGION_ALIGN, false)?;
+                s.reserve(ws_id, layout.workspace_bytes, REGION_ALIGN, false)?;
             }
             if layout.scratch_bytes > 0 {
                 s.reserve("attn_scratch", layout.scratch_bytes, REGION_ALIGN, false)?;
@@ -264,14 +304,18 @@ impl<B: Backend> PhaseArena<B> {
         self.current = Some(layout);
         self.rebind();
         self.peaks.kv_pool = self.peaks.kv_pool.max(layout.pool_bytes);
-        self.peaks.workspace = self.peaks.workspace.max(layout.workspace_bytes);
+        if matches!(phase, Phase::Vision { .. }) {
+            self.peaks.vision = self.peaks.vision.max(layout.workspace_bytes);
+        } else {
+            self.peaks.workspace = self.peaks.workspace.max(layout.workspace_bytes);
+        }
         self.peaks.attn_scratch = self.peaks.attn_scratch.max(layout.scratch_bytes);
         self.peaks.total = self.peaks.total.max(self.arena.used());
         Ok(layout)
     }
 
     fn rebind(&mut self) {
-        self.leases = ["kv_pool", "workspace", "attn_scratch"]
+        self.leases = ["kv_pool", "workspace", "attn_scratch", "vision"]
             .iter()
             .filter_map(|id| self.arena.lease(id).ok())
             .collect();
@@ -369,6 +413,28 @@ mod tests {
         a.transition(Phase::Prefill)
             .expect("works once the foreign lease is gone");
         assert_eq!(a.peaks().kv_pool, len1);
+
+        // A vision loan releases the pool and leases one `vision` region; returning it restores
+        // the text layout and the arena's use exactly.
+        let text_used = a.arena().used();
+        let loan = a
+            .transition(Phase::Vision { bytes: 1000 })
+            .expect("loan fits");
+        assert_eq!((loan.pool_pages, loan.workspace_bytes), (0, 1024));
+        assert!(a.pool_range().is_err(), "no KV pool during a loan");
+        assert_eq!(a.arena().used(), 1024);
+        assert_eq!(a.arena().lease_count("vision"), 1);
+        assert_eq!(a.peaks().vision, 1024);
+        let too_big = a
+            .transition(Phase::Vision {
+                bytes: inp.arena_bytes + 1,
+            })
+            .expect_err("larger than the arena");
+        assert!(matches!(too_big, RuntimeError::ArenaTooSmall { .. }));
+        assert_eq!(a.phase(), Some(Phase::Vision { bytes: 1000 }));
+        a.transition(Phase::Prefill).expect("back to text");
+        assert_eq!(a.arena().used(), text_used);
+        assert_eq!(a.pool_range().expect("pool"), (off0, len0));
 
         // A phase that does not fit is refused before anything changes.
         let mut tight = input(pre.required_bytes);

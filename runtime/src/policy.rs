@@ -48,6 +48,12 @@ pub struct PolicyConfig {
     pub max_pages_per_layer: usize,
     /// Minimum ring slots (≥ 1: the ring can always stream, in waves).
     pub min_ring_slots: usize,
+    /// Under pressure (some layer streams), the ring gets at least this many slots when the pool
+    /// allows (streamed layers keep `min_resident_pages`). A ring this deep keeps the copy engine
+    /// busy while the layers between two streamed attention layers compute; every extra slot
+    /// costs one more streamed page per step. 0 = no floor.
+    #[serde(default)]
+    pub stream_ring_slots: usize,
     /// Resident pages a streamed layer keeps at least.
     pub min_resident_pages: usize,
     /// The ring should hold this multiple of one streamed layer's deficit (prior art: 1.10).
@@ -74,6 +80,7 @@ impl PolicyConfig {
             pool_pages,
             max_pages_per_layer,
             min_ring_slots: 1,
+            stream_ring_slots: 0,
             min_resident_pages: 1,
             overlap_target: 1.10,
             miss_threshold: 0.01,
@@ -249,10 +256,16 @@ pub fn ideal(
             let ring_t = ((f as f64 * (target - 1.0) / target).ceil() as usize).max(min_ring);
             ((f - ring_t.min(f)) / s).clamp(min_res, r_hi)
         };
-        let r = (min_res..=r_hi)
+        let mut r = (min_res..=r_hi)
             .rev()
             .find(|&r| covers(r))
             .unwrap_or_else(fallback);
+        // The streaming ring floor: deepen the ring (lowering the streamed layers' quota) up to
+        // `stream_ring_slots`, never below `min_res` resident pages per streamed layer.
+        let floor = cfg.stream_ring_slots.min(f - s * min_res);
+        if f - s * r < floor {
+            r = ((f - floor) / s).max(min_res);
+        }
         let mut resident = vec![a; l];
         for j in 0..s {
             resident[j * l / s] = r;
@@ -396,6 +409,38 @@ mod tests {
             "S = {s} is not minimal"
         );
         assert!(s < 16, "streaming should not be spread over every layer");
+    }
+
+    #[test]
+    fn streaming_ring_floor_deepens_the_ring_but_keeps_the_minimum_resident() {
+        // 16 layers of 1024 active pages in a 5,500-page pool (the 27B / 256 Ki / 2,240 MiB
+        // shape): without a floor the ring is shallow; with it, the ring reaches the floor and
+        // the streamed layers give up resident pages, the fully resident ones keep theirs.
+        let mut c = cfg(16, 5500, 1024);
+        let shallow = ideal(&c, 1024, 1.1).expect("fits");
+        c.stream_ring_slots = 315;
+        let deep = ideal(&c, 1024, 1.1).expect("fits");
+        assert!(shallow.ring_slots < 315, "{shallow:?}");
+        assert!(deep.ring_slots >= 315, "{deep:?}");
+        assert_eq!(deep.resident.iter().sum::<usize>() + deep.ring_slots, 5500);
+        let full = |p: &Placement| p.resident.iter().filter(|&&r| r == 1024).count();
+        assert_eq!(
+            full(&deep),
+            full(&shallow),
+            "same layers stay fully resident"
+        );
+        assert!(deep.resident.iter().all(|&r| r >= c.min_resident_pages));
+        // A floor the pool cannot pay is clamped: streamed layers keep their minimum.
+        c.stream_ring_slots = 100_000;
+        let clamped = ideal(&c, 1024, 1.1).expect("fits");
+        assert!(clamped.resident.iter().all(|&r| r >= c.min_resident_pages));
+        assert_eq!(
+            clamped.resident.iter().sum::<usize>() + clamped.ring_slots,
+            5500
+        );
+        // Without pressure the floor changes nothing.
+        let fits = ideal(&c, 100, 1.1).expect("fits");
+        assert_eq!(fits, ideal(&cfg(16, 5500, 1024), 100, 1.1).expect("fits"));
     }
 
     #[test]

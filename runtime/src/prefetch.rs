@@ -1,7 +1,8 @@
 //! The ring-slot scheduler: FIFO ownership of ring slots and the order of wave copies.
 //!
-//! A step plans one [`WaveJob`] per group of at most `ring_slots` streamed pages, for every
-//! streamed layer in layer order. Jobs are issued strictly in that order, each as soon as enough
+//! A step plans one [`WaveJob`] per group of at most [`RingScheduler::wave_pages`] streamed pages
+//! (half the ring: double buffering, so the copy of wave `i + 1` runs while wave `i` is attended),
+//! for every streamed layer in layer order. Jobs are issued strictly in that order, each as soon as enough
 //! slots are free; a job takes the next slots of the ring in FIFO order (at most two runs: before
 //! and after the wrap, so a span never wraps). A slot is free again once its consumer has
 //! *recorded* its consumed fence; a refill of that slot waits on that fence (and on the
@@ -82,12 +83,20 @@ impl<F: Clone> RingScheduler<F> {
         self.issued.len()
     }
 
-    /// Splits the streamed pages `[first, end)` of `layer` into waves of at most `slots` pages
-    /// and appends them to the queue.
+    /// Most pages in one wave: half the ring (at least 1). Two waves then fit in the ring at
+    /// once, so the copy engine fills one half while attention reads the other; a wave as large
+    /// as the ring would make every copy wait for the previous wave's attention (no overlap).
+    pub fn wave_pages(&self) -> usize {
+        (self.slots / 2).max(1)
+    }
+
+    /// Splits the streamed pages `[first, end)` of `layer` into waves of at most
+    /// [`RingScheduler::wave_pages`] pages and appends them to the queue.
     pub fn plan_layer(&mut self, layer: usize, first: usize, end: usize) {
         let mut p = first;
+        let cap = self.wave_pages();
         while p < end && self.slots > 0 {
-            let n = (end - p).min(self.slots);
+            let n = (end - p).min(cap);
             self.queue.push_back(WaveJob {
                 layer,
                 first_page: p,
@@ -190,48 +199,81 @@ mod tests {
 
     #[test]
     fn fifo_ownership_wraps_into_two_runs_and_waits_on_previous_owner() {
-        let mut r: RingScheduler<u32> = RingScheduler::new(4);
-        r.plan_layer(0, 2, 5); // 3 pages
-        r.plan_layer(1, 0, 3); // 3 pages
+        // 6 slots → waves of at most 3 pages.
+        let mut r: RingScheduler<u32> = RingScheduler::new(6);
+        r.plan_layer(0, 2, 4); // 2 pages
+        r.plan_layer(1, 0, 6); // 3 + 3 pages
         let (job, runs, waits) = r.next_issuable().expect("room");
-        assert_eq!(job.layer, 0);
+        assert_eq!((job.layer, job.pages), (0, 2));
         assert_eq!(runs.len(), 1);
         assert!(waits.is_empty());
         r.mark_issued(runs, vec![10]);
-        // Layer 1's wave needs 3 slots, only 1 free: not issuable (bounded lookahead).
+        let (job, runs, _) = r.next_issuable().expect("room for layer 1's first wave");
+        assert_eq!((job.layer, job.first_page, job.pages), (1, 0, 3));
+        r.mark_issued(runs, vec![11]);
+        // Layer 1's second wave needs 3 slots, only 1 free: not issuable (bounded lookahead).
         assert!(r.next_issuable().is_none());
         assert!(r.take(1).is_none(), "consumption is in issue order");
         let w = r.take(0).expect("front");
         assert_eq!(w.ready, vec![10]);
         r.release(&w, &[77]);
         let (job, runs, waits) = r.next_issuable().expect("room after release");
-        assert_eq!(job.layer, 1);
-        assert_eq!(runs.len(), 2, "slot 3 then slots 0..2");
-        assert_eq!((runs[0].first_slot, runs[0].pages), (3, 1));
+        assert_eq!((job.layer, job.first_page), (1, 3));
+        assert_eq!(runs.len(), 2, "slot 5 then slots 0..2");
+        assert_eq!((runs[0].first_slot, runs[0].pages), (5, 1));
         assert_eq!((runs[1].first_slot, runs[1].pages), (0, 2));
-        assert_eq!(runs[1].first_page, 1);
+        assert_eq!(runs[1].first_page, 4);
         assert_eq!(
             waits,
             vec![77, 77],
-            "slots 0 and 1 wait on the consumed fence"
+            "slots 0 and 1 wait on the consumed fence, fresh slot 5 on nothing"
         );
         r.mark_issued(runs, vec![]);
-        assert_eq!(r.take_peak(), 3);
+        assert_eq!(r.take_peak(), 6);
     }
 
     #[test]
-    fn waves_never_exceed_the_ring() {
-        let mut r: RingScheduler<()> = RingScheduler::new(3);
-        r.plan_layer(0, 0, 8);
-        let mut pages = Vec::new();
-        while r.queued() > 0 {
-            let (job, runs, _) = r.next_issuable().expect("empty ring has room");
-            assert!(job.pages <= 3);
-            pages.push(job.pages);
-            r.mark_issued(runs, vec![]);
-            let w = r.take(0).expect("front");
-            r.release(&w, &[]);
+    fn waves_are_half_the_ring_and_never_exceed_it() {
+        for (slots, expect) in [
+            (1usize, vec![1usize; 8]),
+            (3, vec![1; 8]),
+            (6, vec![3, 3, 2]),
+        ] {
+            let mut r: RingScheduler<()> = RingScheduler::new(slots);
+            r.plan_layer(0, 0, 8);
+            let mut pages = Vec::new();
+            while r.queued() > 0 {
+                let (job, runs, _) = r.next_issuable().expect("empty ring has room");
+                assert!(job.pages <= slots);
+                pages.push(job.pages);
+                r.mark_issued(runs, vec![]);
+                let w = r.take(0).expect("front");
+                r.release(&w, &[]);
+            }
+            assert_eq!(pages, expect, "{slots} slots");
         }
-        assert_eq!(pages, vec![3, 3, 2]);
+    }
+
+    #[test]
+    fn next_wave_is_issued_before_the_current_one_is_consumed() {
+        // Double buffering: with 8 slots a long layer is cut into 4-page waves, and the second
+        // wave's copy can be issued while the first one is still unconsumed.
+        let mut r: RingScheduler<u32> = RingScheduler::new(8);
+        r.plan_layer(0, 0, 20);
+        let (job, runs, _) = r.next_issuable().expect("room");
+        assert_eq!(job.pages, 4);
+        r.mark_issued(runs, vec![1]);
+        let (job2, runs2, waits2) = r.next_issuable().expect("second half of the ring is free");
+        assert_eq!((job2.first_page, job2.pages), (4, 4));
+        assert!(waits2.is_empty(), "fresh slots wait on nothing");
+        r.mark_issued(runs2, vec![2]);
+        assert!(
+            r.next_issuable().is_none(),
+            "third wave waits for the first to be consumed"
+        );
+        let w = r.take(0).expect("front");
+        r.release(&w, &[9]);
+        let (_, _, waits3) = r.next_issuable().expect("first half free again");
+        assert_eq!(waits3, vec![9; 4], "refill waits on the consumed fence");
     }
 }

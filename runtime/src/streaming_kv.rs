@@ -59,6 +59,9 @@ pub struct StreamingKvConfig {
     /// every other step touches only the target layers. Each side keeps its own host history
     /// length; the MTP layer is truncated with [`StreamingKv::truncate_layer`].
     pub mtp: bool,
+    /// Bytes of ring the policy aims for while streaming (the policy's `stream_ring_slots`, in
+    /// pages of this geometry, capped at an eighth of the pool). 0 = no floor.
+    pub stream_ring_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -194,6 +197,9 @@ impl<B: ModelBackend> StreamingKv<B> {
         p.layers = self.cfg.layers;
         p.pool_pages = pool_pages;
         p.max_pages_per_layer = self.cfg.geometry.pages_for(self.cfg.ctx_tokens);
+        let page = self.cfg.geometry.page_bytes().max(1) as u64;
+        let want = usize::try_from(self.cfg.stream_ring_bytes / page).unwrap_or(usize::MAX);
+        p.stream_ring_slots = p.stream_ring_slots.max(want.min(pool_pages / 8));
         p
     }
 
@@ -423,6 +429,12 @@ impl<B: ModelBackend> StreamingKv<B> {
                 self.stats.h2d_ring_bytes += bytes;
                 ready.extend(f);
             }
+            // A run whose pages hold no stable rows issues no copy, so nothing on the copy queue
+            // orders it after its slots' previous owners (their last reads and the publication of
+            // rows written there). The consumer writes this step's rows into those slots, so it
+            // must wait for them itself: the previous owners' fences join the ready fences.
+            // (Where a copy exists it already waited on them; waiting again is free.)
+            ready.extend(waits.iter().cloned());
             self.ring.mark_issued(runs, ready);
         }
         Ok(())

@@ -94,8 +94,15 @@ fn mtp_logits_equal_the_resident_mtp_head() {
 
         // Reference: all-resident target forward then one MTP forward over all rows.
         let b = CpuBackend::new();
-        let model =
-            QwenModel::load(&b, &dir(name), &LoadOptions { load_mtp: true }).expect("model");
+        let model = QwenModel::load(
+            &b,
+            &dir(name),
+            &LoadOptions {
+                load_mtp: true,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("model");
         let r = Reference::new(name, KvType::F32, KvType::F32, 4);
         let mut kv = ResidentKv::new(&r.cfg, r.cfg.n_attention_layers() + 1, r.opts).expect("kv");
         let mut st = model.new_recurrent_state(&b).expect("state");

@@ -22,11 +22,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::ops::ModelBackend;
-use kvstream_model_qwen::QwenConfig;
+use kvstream_model_qwen::{QwenConfig, WeightPolicy};
 use roofline::Ceilings;
 use row::BenchRow;
 pub use runner::Fill;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Flags of `kvstream bench`.
 #[derive(Debug, Clone, Args)]
@@ -41,6 +41,10 @@ pub struct BenchArgs {
     /// Stored dtype of synthetic weights: bf16, f16, f32.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// Device weight formats (`--weights q4_g128`, `--weights-head q8_0`); synthetic quantized
+    /// weights are generated directly as codes + scales.
+    #[command(flatten)]
+    pub weights: crate::args::WeightArgs,
     /// Backend.
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendKind,
@@ -59,6 +63,12 @@ pub struct BenchArgs {
     /// Cap the KV pool at this many pages (forces streaming).
     #[arg(long)]
     pub kv_max_pool_pages: Option<usize>,
+    /// Smallest ring in slots (see `generate --help`).
+    #[arg(long, default_value_t = 1)]
+    pub kv_min_ring_slots: usize,
+    /// Ring depth while streaming (see `generate --help`).
+    #[arg(long, default_value = "128MiB")]
+    pub kv_stream_ring: String,
     /// How the history is made.
     #[arg(long, value_enum, default_value = "synthetic")]
     pub fill: Fill,
@@ -110,12 +120,16 @@ pub struct BenchPlan {
     pub synthetic: Option<String>,
     pub synthetic_config: Option<QwenConfig>,
     pub weight_dtype: WeightDType,
+    /// Device weight formats.
+    pub weights: WeightPolicy,
     pub ctx_size: usize,
     pub k_type: KvType,
     pub v_type: KvType,
     pub page_tokens: usize,
     pub prefill_chunk: usize,
     pub max_pool_pages: Option<usize>,
+    pub min_ring_slots: usize,
+    pub stream_ring_bytes: u64,
     pub contexts: Vec<usize>,
     pub draft_ns: Vec<usize>,
     pub arenas: Vec<u64>,
@@ -142,9 +156,7 @@ impl BenchPlan {
     pub fn from_args(a: &BenchArgs) -> Result<Self> {
         let (config, synthetic_config) = match (&a.synthetic, &a.model) {
             (Some(g), _) => {
-                let geo = crate::synth::Geometry::preset(g)?;
-                let json = geo.config_json("bfloat16").to_string();
-                let c = QwenConfig::from_json_str(&json, Path::new(&format!("synthetic:{g}")))?;
+                let c = crate::synth::preset_config(g)?;
                 (c.clone(), Some(c))
             }
             (None, Some(d)) => (QwenConfig::from_model_dir(d)?, None),
@@ -174,12 +186,16 @@ impl BenchPlan {
             synthetic: a.synthetic.clone(),
             synthetic_config,
             weight_dtype,
+            weights: a.weights.policy(),
             ctx_size,
             k_type: a.cache_type_k.parse().context("--cache-type-k")?,
             v_type: a.cache_type_v.parse().context("--cache-type-v")?,
             page_tokens: a.kv_page_tokens,
             prefill_chunk: a.prefill_chunk,
             max_pool_pages: a.kv_max_pool_pages,
+            min_ring_slots: a.kv_min_ring_slots.max(1),
+            stream_ring_bytes: kvstream_runtime::size::parse_size(&a.kv_stream_ring)
+                .with_context(|| format!("--kv-stream-ring `{}`", a.kv_stream_ring))?,
             contexts,
             draft_ns,
             arenas,
@@ -268,7 +284,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     println!(
-        "{:>6} {:>9} {:>7} {:>2} {:>10} {:>10} {:>9} {:>29} {:>12} {:>8} {:>9} {:>6}",
+        "{:>6} {:>9} {:>7} {:>2} {:>10} {:>10} {:>9} {:>29} {:>12} {:>8} {:>9} {:>6} {:>11}  weights / status",
         "arena",
         "context",
         "history",
@@ -280,12 +296,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "H2D B/step",
         "H2D GB/s",
         "res pages",
-        "ring"
+        "ring",
+        "weight MiB"
     );
     for r in &rows {
         let w: Vec<String> = r.step_ms_by_width.iter().map(|x| fmt_opt(*x, 2)).collect();
         println!(
-            "{:>6} {:>9} {:>7} {:>2} {:>10} {:>10} {:>9} {:>29} {:>12.0} {:>8.2} {:>9} {:>6}  {}{}",
+            "{:>6} {:>9} {:>7} {:>2} {:>10} {:>10} {:>9} {:>29} {:>12.0} {:>8.2} {:>9} {:>6} {:>11.1}  {} / {}{}",
             format!("{}M", r.arena_bytes >> 20),
             r.context,
             r.history_tokens,
@@ -302,6 +319,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(","),
             r.ring_slots,
+            r.weight_bytes as f64 / (1u64 << 20) as f64,
+            r.weights,
             r.status,
             if r.note.is_empty() {
                 String::new()
@@ -344,6 +363,73 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         bench: BenchArgs,
+    }
+
+    #[test]
+    fn bench_weights_flag_quantizes_the_synthetic_model_and_labels_rows() {
+        let run = |weights: &[&str]| {
+            let out = std::env::temp_dir().join(format!(
+                "kvstream-bench-w{}-{}",
+                weights.len(),
+                std::process::id()
+            ));
+            let mut argv = vec![
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--contexts",
+                "256",
+                "--kv-arena",
+                "32MiB",
+                "--kv-page-tokens",
+                "64",
+                "--decode-tokens",
+                "2",
+                "--reps",
+                "1",
+                "--h2d-probe-mib",
+                "1",
+                "--h2d-request-mib",
+                "1",
+                "--read-probe-mib",
+                "1",
+                "--quiet",
+                "--out",
+                out.to_str().expect("utf-8 path"),
+            ];
+            argv.extend_from_slice(weights);
+            let cli = Cli::try_parse_from(argv).expect("args");
+            let rows = sweep(&cli.bench).expect("sweep");
+            let csv = std::fs::read_to_string(out.join("bench.csv")).expect("csv");
+            std::fs::remove_dir_all(&out).ok();
+            (rows, csv)
+        };
+        let (plain, _) = run(&[]);
+        let (q4, csv) = run(&["--weights", "q4"]);
+        assert_eq!(plain[0].weights, "as stored");
+        assert_eq!(q4[0].weights, "q4_g128 (head q8_0)");
+        assert!(
+            q4[0].decode_tok_per_s.is_some_and(|t| t > 0.0),
+            "{:?}",
+            q4[0]
+        );
+        // bf16 storage → ~4 bits for most weights: well under half the bytes.
+        assert!(
+            q4[0].weight_bytes * 2 < plain[0].weight_bytes,
+            "{} vs {}",
+            q4[0].weight_bytes,
+            plain[0].weight_bytes
+        );
+        let header: Vec<&str> = csv.lines().next().unwrap_or("").split(',').collect();
+        let col = header
+            .iter()
+            .position(|h| *h == "weights")
+            .expect("weights column");
+        let first = csv.lines().nth(1).unwrap_or("");
+        assert!(first.contains("q4_g128 (head q8_0)"), "{first}");
+        assert!(col > 0);
+        let bad = Cli::try_parse_from(["bench", "--synthetic", "tiny", "--weights", "q5"]);
+        assert!(bad.is_err_and(|e| e.to_string().contains("q4_g128")));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::Path;
 
 /// CSV header (one column per scalar; lists are `;`-separated inside a cell).
-pub const CSV_HEADER: &str = "backend,model,kv_types,arena_bytes,max_pool_pages,context,history_tokens,fill,spec_draft_n_max,status,note,prefill_tok_per_s,decode_tok_per_s,step_ms,step_ms_w1,step_ms_w2,step_ms_w3,step_ms_w4,h2d_bytes_per_step,h2d_gbps,resident_pages,ring_slots,pool_pages,weight_bytes,peak_arena_bytes,peak_device_bytes,acceptance,accepted_per_step,projections,h2d_ceiling_gbps,hbm_ceiling_gbps,roofline_step_ms,measured_over_roofline";
+pub const CSV_HEADER: &str = "backend,model,kv_types,weights,arena_bytes,max_pool_pages,context,history_tokens,fill,spec_draft_n_max,status,note,prefill_tok_per_s,decode_tok_per_s,step_ms,step_ms_w1,step_ms_w2,step_ms_w3,step_ms_w4,h2d_bytes_per_step,h2d_gbps,resident_pages,ring_slots,pool_pages,weight_bytes,peak_arena_bytes,peak_device_bytes,acceptance,accepted_per_step,projections,h2d_ceiling_gbps,hbm_ceiling_gbps,roofline_step_ms,measured_over_roofline";
 
 fn opt(v: Option<f64>) -> String {
     v.map(|x| format!("{x:.6}")).unwrap_or_default()
@@ -40,6 +40,7 @@ pub fn csv_line(r: &BenchRow) -> String {
         cell(&r.backend),
         cell(&r.model),
         cell(&r.kv_types),
+        cell(&r.weights),
         r.arena_bytes.to_string(),
         r.max_pool_pages.map(|p| p.to_string()).unwrap_or_default(),
         r.context.to_string(),
@@ -181,6 +182,8 @@ mod tests {
         BenchRow {
             backend: "cpu".into(),
             model: "synthetic:tiny".into(),
+            kv_types: "f16/f16".into(),
+            weights: "q4_g128 (head q8_0)".into(),
             note: "a, \"quoted\" note".into(),
             arena_bytes: 64 << 20,
             context: ctx,
@@ -203,7 +206,12 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 3);
         let cols = CSV_HEADER.split(',').count();
-        assert_eq!(cols, 33);
+        assert_eq!(cols, 34);
+        assert!(
+            lines[1].contains(",f16/f16,q4_g128 (head q8_0),"),
+            "{}",
+            lines[1]
+        );
         assert!(
             lines[1].contains("\"a, \"\"quoted\"\" note\""),
             "{}",

@@ -23,6 +23,9 @@ pub struct BenchRow {
     pub model: String,
     /// K/V cache types, `k/v`.
     pub kv_types: String,
+    /// Device weight formats: `q4_g128 (head q8_0)`, `as stored`, ...
+    #[serde(default)]
+    pub weights: String,
     pub arena_bytes: u64,
     pub max_pool_pages: Option<usize>,
     /// Requested context (history tokens before the measured steps).

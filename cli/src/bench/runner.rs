@@ -51,6 +51,9 @@ fn load<B: ModelBackend>(backend: B, plan: &BenchPlan, arena: u64) -> Result<Eng
     cfg.page_tokens = plan.page_tokens;
     cfg.prefill_chunk = plan.prefill_chunk;
     cfg.max_pool_pages = plan.max_pool_pages;
+    cfg.min_ring_slots = plan.min_ring_slots;
+    cfg.stream_ring_bytes = plan.stream_ring_bytes;
+    cfg.weights = plan.weights;
     Ok(match &plan.synthetic_config {
         Some(qc) => Engine::load_synthetic(backend, cfg, qc.clone(), plan.weight_dtype, plan.seed)?,
         None => Engine::load(backend, cfg)?,
@@ -70,6 +73,7 @@ pub fn run_arena<B: ModelBackend>(
         backend: backend_name,
         model: plan.model_label(),
         kv_types: format!("{}/{}", plan.k_type, plan.v_type),
+        weights: crate::args::describe_policy(&plan.weights),
         arena_bytes: arena,
         max_pool_pages: plan.max_pool_pages,
         fill: plan.fill.name().into(),

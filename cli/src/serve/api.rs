@@ -1,5 +1,6 @@
 //! OpenAI wire types (the subset kvstream serves) and request validation.
 
+use super::images::{parse_image_url, ImageRef};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -27,8 +28,8 @@ pub enum ContentPart {
     Text {
         text: String,
     },
+    /// `{"url": "data:image/png;base64,..."}` (or the URL as a bare string).
     ImageUrl {
-        #[allow(dead_code)]
         image_url: Value,
     },
     #[serde(other)]
@@ -263,9 +264,31 @@ impl SamplingFields {
     }
 }
 
+/// The chat messages of a request as (role, content) pairs, each image part rendered as
+/// [`kvstream_runtime::IMAGE_PLACEHOLDER`], and the images in order.
+pub type ChatInput = (Vec<(String, String)>, Vec<ImageRef>);
+
+fn image_url_of(v: &Value) -> Result<&str, ApiError> {
+    match v {
+        Value::String(s) => Ok(s),
+        Value::Object(o) => o.get("url").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid(
+                "image_url must be {\"url\": \"data:image/...;base64,...\"} or a string",
+                Some("messages"),
+            )
+        }),
+        _ => Err(ApiError::invalid(
+            "image_url must be an object with a `url` string",
+            Some("messages"),
+        )),
+    }
+}
+
 impl ChatRequest {
-    /// (role, text) pairs; images are rejected until the vision tower lands.
-    pub fn text_messages(&self) -> Result<Vec<(String, String)>, ApiError> {
+    /// (role, content) pairs and the images of `image_url` parts (several per message allowed;
+    /// see [`ChatInput`]). Remote URLs and malformed data URLs are 400s here.
+    pub fn messages_and_images(&self) -> Result<ChatInput, ApiError> {
+        let mut images = Vec::new();
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "messages must not be empty",
@@ -283,33 +306,32 @@ impl ChatRequest {
                     Some("messages"),
                 ));
             }
-            let text =
-                match &m.content {
-                    None => String::new(),
-                    Some(MessageContent::Text(t)) => t.clone(),
-                    Some(MessageContent::Parts(parts)) => {
-                        let mut s = String::new();
-                        for p in parts {
-                            match p {
-                                ContentPart::Text { text } => s.push_str(text),
-                                ContentPart::ImageUrl { .. } => return Err(ApiError::invalid(
-                                    "image inputs are not supported by this server yet (text only)",
+            let text = match &m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t.clone(),
+                Some(MessageContent::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        match p {
+                            ContentPart::Text { text } => s.push_str(text),
+                            ContentPart::ImageUrl { image_url } => {
+                                images.push(parse_image_url(image_url_of(image_url)?)?);
+                                s.push_str(kvstream_runtime::IMAGE_PLACEHOLDER);
+                            }
+                            ContentPart::Other => {
+                                return Err(ApiError::invalid(
+                                    "unsupported content part type",
                                     Some("messages"),
-                                )),
-                                ContentPart::Other => {
-                                    return Err(ApiError::invalid(
-                                        "unsupported content part type",
-                                        Some("messages"),
-                                    ))
-                                }
+                                ))
                             }
                         }
-                        s
                     }
-                };
+                    s
+                }
+            };
             out.push((m.role.clone(), text));
         }
-        Ok(out)
+        Ok((out, images))
     }
 }
 
@@ -376,18 +398,32 @@ mod tests {
     }
 
     #[test]
-    fn images_are_rejected_until_vision() {
+    fn image_parts_become_placeholders_in_order() {
         let r: ChatRequest = serde_json::from_str(
-            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"data:,"}}]}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw=="}},{"type":"text","text":"and"},{"type":"image_url","image_url":"/tmp/x.png"}]}]}"#,
         )
         .expect("parse");
-        assert!(r.text_messages().is_err());
+        let (msgs, imgs) = r.messages_and_images().expect("valid");
+        let ph = kvstream_runtime::IMAGE_PLACEHOLDER;
+        assert_eq!(msgs, vec![("user".into(), format!("{ph}and{ph}"))]);
+        assert_eq!(
+            imgs,
+            vec![
+                ImageRef::Data(vec![0x89, b'P', b'N', b'G']),
+                ImageRef::File("/tmp/x.png".into())
+            ]
+        );
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:,"}}]}]}"#,
+        )
+        .expect("parse");
+        assert!(r.messages_and_images().is_err(), "not base64");
         let r: ChatRequest =
             serde_json::from_str(r#"{"messages":[{"role":"user","content":"hi"}]}"#)
                 .expect("parse");
         assert_eq!(
-            r.text_messages().ok(),
-            Some(vec![("user".into(), "hi".into())])
+            r.messages_and_images().ok(),
+            Some((vec![("user".into(), "hi".into())], vec![]))
         );
     }
 }

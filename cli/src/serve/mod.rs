@@ -1,9 +1,14 @@
 //! `kvstream serve`: an OpenAI-compatible HTTP server on axum/tokio.
 //!
+//! Images ([`images`]): `image_url` content parts as data URLs or local file paths (never a
+//! network fetch); the engine thread decodes and encodes them (arena loans), so malformed or
+//! too-large images are 400s and the server keeps serving.
+//!
 //! One model, one sequence at a time ([`worker`]); requests wait in a bounded queue (429 when
 //! full); a client that disconnects cancels its generation at the next token.
 
 pub mod api;
+pub mod images;
 pub mod routes;
 pub mod text_stream;
 pub mod worker;

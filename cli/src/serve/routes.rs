@@ -23,6 +23,9 @@ pub struct AppState {
     pub default_max_tokens: usize,
 }
 
+/// Largest request body (images travel inline as data URLs).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
 /// The router.
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -32,6 +35,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(Arc::new(state))
 }
 
@@ -147,11 +151,16 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
-    let messages = match req.text_messages() {
+    let (messages, images) = match req.messages_and_images() {
         Ok(m) => m,
         Err(e) => return error_response(&e),
     };
-    run(&state, Kind::Chat, JobPrompt::Chat(messages), params).await
+    let prompt = if images.is_empty() {
+        JobPrompt::Chat(messages)
+    } else {
+        JobPrompt::ChatImages { messages, images }
+    };
+    run(&state, Kind::Chat, prompt, params).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {

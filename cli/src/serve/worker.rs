@@ -6,7 +6,9 @@
 //! every token, so a client that disconnects stops its generation at the next token.
 
 use super::api::{ApiError, GenParams, Usage};
+use super::images::{load_image, ImageRef};
 use super::text_stream::TextStream;
+use kvstream_runtime::ImageInput;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -57,12 +59,49 @@ pub trait Generator: 'static {
     ) -> Result<Outcome, String>;
     /// Prometheus text lines of the engine's counters.
     fn metrics_text(&self) -> String;
+    /// Decodes and preprocesses one image. Default: the model takes no images (400).
+    fn prepare_image(&mut self, _bytes: &[u8]) -> Result<ImageInput, ApiError> {
+        Err(no_images())
+    }
+    /// Tokens of chat messages holding one image placeholder per image, each expanded to the
+    /// image's token count. Default: the model takes no images (400).
+    fn render_chat_with_images(
+        &mut self,
+        _messages: &[(String, String)],
+        _images: &[ImageInput],
+    ) -> Result<Vec<u32>, ApiError> {
+        Err(no_images())
+    }
+    /// Like `generate` with the prompt's images (errors carry their HTTP status: 4xx for
+    /// images that cannot be served, 500 for engine failures). Default: no images (400).
+    fn generate_with_images(
+        &mut self,
+        _prompt: &[u32],
+        _images: &[ImageInput],
+        _params: &GenParams,
+        _on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Outcome, ApiError> {
+        Err(no_images())
+    }
+}
+
+/// The 400 for an image sent to a model without a vision tower.
+pub fn no_images() -> ApiError {
+    ApiError::invalid(
+        "this model has no vision tower: image inputs are not supported; send text only",
+        Some("messages"),
+    )
 }
 
 /// The prompt of a job.
 #[derive(Debug, Clone)]
 pub enum JobPrompt {
     Chat(Vec<(String, String)>),
+    /// Chat messages whose contents hold one image placeholder per image, and the images.
+    ChatImages {
+        messages: Vec<(String, String)>,
+        images: Vec<ImageRef>,
+    },
     Text(String),
     Tokens(Vec<u32>),
 }
@@ -143,15 +182,22 @@ fn run_job<G: Generator>(engine: &mut G, job: Job, shared: &Shared) {
     if job.cancel.load(Ordering::SeqCst) {
         return;
     }
-    let prompt = match &job.prompt {
-        JobPrompt::Chat(m) => engine.render_chat(m),
-        JobPrompt::Text(t) => engine.tokenize(t),
-        JobPrompt::Tokens(t) => Ok(t.clone()),
+    let prepared = match &job.prompt {
+        JobPrompt::Chat(m) => engine
+            .render_chat(m)
+            .map(|p| (p, Vec::new()))
+            .map_err(|e| ApiError::invalid(e, None)),
+        JobPrompt::ChatImages { messages, images } => prepare_images(engine, messages, images),
+        JobPrompt::Text(t) => engine
+            .tokenize(t)
+            .map(|p| (p, Vec::new()))
+            .map_err(|e| ApiError::invalid(e, None)),
+        JobPrompt::Tokens(t) => Ok((t.clone(), Vec::new())),
     };
-    let prompt = match prompt {
+    let (prompt, images) = match prepared {
         Ok(p) => p,
         Err(e) => {
-            send(Event::Failed(ApiError::invalid(e, None)));
+            send(Event::Failed(e));
             return;
         }
     };
@@ -179,7 +225,7 @@ fn run_job<G: Generator>(engine: &mut G, job: Job, shared: &Shared) {
     let mut text = TextStream::new(params.stop.clone());
     let mut generated: Vec<u32> = Vec::new();
     let mut stopped_by_string = false;
-    let result = engine.generate(&prompt, &params, &mut |tok| {
+    let mut on_token = |tok: u32| {
         if job.cancel.load(Ordering::SeqCst) {
             return false;
         }
@@ -198,7 +244,19 @@ fn run_job<G: Generator>(engine: &mut G, job: Job, shared: &Shared) {
             return false;
         }
         true
-    });
+    };
+    let result = if images.is_empty() {
+        engine
+            .generate(&prompt, &params, &mut on_token)
+            .map_err(|e| ApiError {
+                status: 500,
+                message: e,
+                kind: "server_error",
+                param: None,
+            })
+    } else {
+        engine.generate_with_images(&prompt, &images, &params, &mut on_token)
+    };
     shared.requests_total.fetch_add(1, Ordering::SeqCst);
     match result {
         Ok(outcome) => {
@@ -225,12 +283,29 @@ fn run_job<G: Generator>(engine: &mut G, job: Job, shared: &Shared) {
             });
         }
         Err(e) => {
-            send(Event::Failed(ApiError {
-                status: 500,
-                message: e,
-                kind: "server_error",
-                param: None,
-            }));
+            send(Event::Failed(e));
         }
     }
+}
+
+/// Loads (files on this thread), decodes and preprocesses the images, then renders the chat
+/// with each placeholder expanded. Every failure is a 4xx.
+fn prepare_images<G: Generator>(
+    engine: &mut G,
+    messages: &[(String, String)],
+    images: &[ImageRef],
+) -> Result<(Vec<u32>, Vec<ImageInput>), ApiError> {
+    let mut inputs = Vec::with_capacity(images.len());
+    for (i, r) in images.iter().enumerate() {
+        let bytes = load_image(r)?;
+        let img = engine.prepare_image(&bytes).map_err(|mut e| {
+            if e.status == 400 && images.len() > 1 {
+                e.message = format!("image {i}: {}", e.message);
+            }
+            e
+        })?;
+        inputs.push(img);
+    }
+    let prompt = engine.render_chat_with_images(messages, &inputs)?;
+    Ok((prompt, inputs))
 }

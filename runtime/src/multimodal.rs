@@ -1,0 +1,758 @@
+//! Images through the engine: preprocessing, the vision-tower **arena loan**, M-RoPE positions
+//! and the multimodal prefill, followed by ordinary (plain or MTP-speculative) decoding.
+//!
+//! ## Flow of [`Engine::generate_multimodal`]
+//! 1. The prompt's `<|image_pad|>` runs are checked against the images' grids
+//!    ([`mrope_positions`]) before anything runs.
+//! 2. **Loan check** for every image: `needed` = encode workspace ([`vision_workspace_bytes`])
+//!    plus tower weights ([`vision_weight_bytes`], unless kept resident) against the arena
+//!    size. An image that does not fit is [`RuntimeError::ImageTooLarge`] naming both numbers;
+//!    nothing has changed yet, so the current session keeps its state (host history, device KV,
+//!    recurrent state) and can continue.
+//! 3. Per image, **the loan**: [`Phase::Vision`] is committed through the KV manager's phase
+//!    transition: in-flight work is drained, the device KV mirrors are suspended (every resident
+//!    page is marked stale; the host history stays the truth), the KV pool and text workspaces
+//!    are released and one `vision` region of `needed` bytes is leased. The tower is loaded (or
+//!    taken from residence), the image encoded, the tower dropped (or kept), the region returned
+//!    by transitioning back to the text phase that was in force. Resident pages refill from the
+//!    host on the next text step. The arena's use after each image is recorded
+//!    ([`LoanRecord::arena_used_after`]) and equals the text-only level.
+//! 4. **Prefill** in chunks of `prefill_chunk` tokens with the image rows replacing the
+//!    `<|image_pad|>` embeddings in order (a chunk may split an image), at the M-RoPE positions of
+//!    the whole prompt. KV rows stay dense append indices; only positions are 3-D.
+//! 5. **Decode** continues at `next_position` on all three axes (the session's [`PositionMap`]
+//!    shifts every later row by the prompt's `rope_delta`); the MTP head, when speculating, gets
+//!    exactly the same positions as the target (row i at the target's position i).
+//!
+//! ## Where the encoder runs
+//! The vision tower currently computes on the **host** in f32 ([`VisionTower::encode`]). The loan
+//! is nevertheless a real reservation of the device arena (on the CPU backend the arena is host
+//! memory itself): the region is committed in the arena's region map, the KV pool is released
+//! for its duration, and the encoder's bytes (weights held + the workspace estimate for the
+//! image) are accounted against it (checked after the tower loads). A device encoder can place
+//! its tensors in the leased region without changing the protocol.
+//!
+//! ## Keeping the tower resident
+//! [`VisionOptions::keep_weights_resident`]: the tower's weights stay loaded between images when
+//! they fit `resident_budget_bytes` (no reload per image; the loan then only covers the
+//! workspace). The resident weights are reported in [`VisionStats::resident_weight_bytes`].
+//!
+//! MTP caveat: the MTP head embeds the `<|image_pad|>` token id for image rows (it has no image
+//! embedding input); that only affects draft quality, never the verified output.
+
+use crate::chat::expand_image_pads;
+use crate::engine::{from_model, Emitter, Engine, GenerateRequest, GenerateResult, StepOut};
+use crate::engine::{Flow, StopReason, TokenEvent};
+use crate::error::{Result, RuntimeError};
+use crate::phase::{Phase, REGION_ALIGN};
+use crate::sampling::Sampler;
+use crate::speculative::SpecStats;
+use crate::stats::EngineStats;
+use kvstream_memory_contracts::ops::{ModelBackend, Position3};
+use kvstream_model_qwen::vision::{preprocess, PreprocessedImage, PreprocessorConfig};
+use kvstream_model_qwen::{
+    mrope_positions, AttentionPhase, ImageEmbeds, LogitRows, VisionConfig, VisionTower,
+};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::time::Instant;
+
+/// How the vision tower is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VisionOptions {
+    /// Keep the tower's weights loaded between images (no reload, loans cover only the
+    /// workspace) when they fit `resident_budget_bytes`. Default false: weights are loaded into
+    /// each loan and dropped with it.
+    pub keep_weights_resident: bool,
+    /// Largest weight footprint that may stay resident (default: unlimited).
+    pub resident_budget_bytes: u64,
+}
+
+impl Default for VisionOptions {
+    fn default() -> Self {
+        Self {
+            keep_weights_resident: false,
+            resident_budget_bytes: u64::MAX,
+        }
+    }
+}
+
+/// One image's arena loan, as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoanRecord {
+    /// Index of the image in its request.
+    pub image: usize,
+    /// Patch grid (t, h, w).
+    pub grid_thw: [usize; 3],
+    /// `<|image_pad|>` tokens (embedding rows) the image produced.
+    pub tokens: usize,
+    /// Bytes of the leased `vision` region.
+    pub loan_bytes: usize,
+    /// Of those, the tower weights (0 when resident).
+    pub weight_bytes: usize,
+    /// Of those, the encode workspace.
+    pub workspace_bytes: usize,
+    /// Arena bytes in use in the text phase before the loan (the text-only level).
+    pub arena_used_text: usize,
+    /// Arena bytes in use during the loan.
+    pub arena_used_during: usize,
+    /// Arena bytes in use after the region was returned (equals `arena_used_text`).
+    pub arena_used_after: usize,
+    /// The tower's weights were (re)loaded for this image.
+    pub weights_loaded: bool,
+    /// Seconds spent encoding.
+    pub encode_seconds: f64,
+}
+
+/// Vision counters: cumulative totals and the loans of the last multimodal call.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct VisionStats {
+    /// Images encoded since load.
+    pub images: u64,
+    /// Times the tower weights were loaded.
+    pub weight_loads: u64,
+    /// Images refused as too large for the arena.
+    pub refused: u64,
+    /// Bytes of tower weights kept resident outside the arena now (0 unless kept).
+    pub resident_weight_bytes: u64,
+    /// Largest loan so far.
+    pub peak_loan_bytes: u64,
+    /// The loans of the last multimodal call, in image order.
+    pub loans: Vec<LoanRecord>,
+}
+
+/// M-RoPE positions of the session: the prompt's explicit 3-D positions, then text positions
+/// shifted by the prompt's `rope_delta` (HF's `rope_deltas`). Empty = plain text positions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PositionMap {
+    prompt: Vec<Position3>,
+    delta: i64,
+}
+
+impl PositionMap {
+    /// Positions of rows `[start, start + n)`.
+    pub fn range(&self, start: usize, n: usize) -> Vec<Position3> {
+        (start..start + n)
+            .map(|i| match self.prompt.get(i) {
+                Some(p) => *p,
+                None => {
+                    let p = (i as i64 + self.delta).clamp(0, i64::from(u32::MAX)) as u32;
+                    [p; 3]
+                }
+            })
+            .collect()
+    }
+    /// Back to plain text positions.
+    pub fn clear(&mut self) {
+        self.prompt.clear();
+        self.delta = 0;
+    }
+    /// Installs a multimodal prompt's positions and its `rope_delta`.
+    pub fn set(&mut self, prompt: Vec<Position3>, delta: i64) {
+        self.prompt = prompt;
+        self.delta = delta;
+    }
+    /// The shift of text positions after the prompt (≤ 0 with images).
+    pub fn rope_delta(&self) -> i64 {
+        self.delta
+    }
+}
+
+/// The engine's multimodal state (lazily initialised on the first image).
+#[derive(Default)]
+pub struct MultimodalState {
+    vision: Option<(VisionConfig, PreprocessorConfig)>,
+    tower: Option<VisionTower>,
+    opts: VisionOptions,
+    /// The session's position map (cleared by `Engine::reset`).
+    pub(crate) positions: PositionMap,
+    stats: VisionStats,
+}
+
+impl std::fmt::Debug for MultimodalState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultimodalState")
+            .field("vision", &self.vision.is_some())
+            .field("tower_resident", &self.tower.is_some())
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+/// A decoded and preprocessed image, ready for [`Engine::generate_multimodal`].
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    image: PreprocessedImage,
+    tokens: usize,
+}
+
+impl ImageInput {
+    /// Patch grid (t, h, w).
+    pub fn grid_thw(&self) -> [usize; 3] {
+        self.image.grid_thw
+    }
+    /// `<|image_pad|>` tokens this image takes in the prompt (t·h·w / merge²).
+    pub fn n_tokens(&self) -> usize {
+        self.tokens
+    }
+    /// The preprocessed pixels.
+    pub fn preprocessed(&self) -> &PreprocessedImage {
+        &self.image
+    }
+}
+
+/// f32 bytes of the tower's weights as computed from its configuration (equals
+/// [`VisionTower::weight_bytes`] of the loaded tower).
+pub fn vision_weight_bytes(c: &VisionConfig) -> usize {
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let mh = h * c.spatial_merge_size * c.spatial_merge_size;
+    let block = 2 * (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (i * h + i) + (h * i + h);
+    let floats = h * c.patch_dim()
+        + h
+        + c.num_position_embeddings * h
+        + c.depth * block
+        + 2 * h
+        + (mh * mh + mh)
+        + (c.out_hidden_size * mh + c.out_hidden_size);
+    4 * floats
+}
+
+/// Query rows per attention score block (the tower's blocked attention).
+const ATTN_QBLOCK: usize = 128;
+
+/// Upper estimate of the f32 bytes live while encoding an image of patch grid `grid`: the
+/// patches, the residual stream and its temporaries, rotary tables, qkv, one block of
+/// `min(128, frame)` query rows of attention scores over the frame for every head at once (the
+/// encoder attends in query blocks, never a whole `frame × frame` matrix per head), the MLP
+/// hidden, and the merger's buffers. Deterministic (independent of the thread count).
+pub fn vision_workspace_bytes(c: &VisionConfig, grid: [usize; 3]) -> usize {
+    let [t, gh, gw] = grid;
+    let n = t * gh * gw;
+    let frame = gh * gw;
+    let h = c.hidden_size;
+    let m2 = (c.spatial_merge_size * c.spatial_merge_size).max(1);
+    let floats = n * c.patch_dim()
+        + 4 * n * h
+        + 2 * n * c.head_dim()
+        + 3 * n * h
+        + c.num_heads * ATTN_QBLOCK.min(frame) * frame
+        + n * c.intermediate_size
+        + n * h
+        + 2 * (n / m2) * h * m2
+        + (n / m2) * c.out_hidden_size;
+    4 * floats
+}
+
+/// True when a safetensors checkpoint in `dir` (sharded index or single/multiple files) names
+/// `tensor`. Reads only the index or the files' headers.
+fn checkpoint_has(dir: &Path, tensor: &str) -> bool {
+    let index = dir.join("model.safetensors.index.json");
+    if let Ok(text) = std::fs::read_to_string(&index) {
+        return serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("weight_map").map(|m| m.get(tensor).is_some()))
+            .unwrap_or(false);
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let p = e.path();
+        p.extension().is_some_and(|x| x == "safetensors") && header_has(&p, tensor)
+    })
+}
+
+fn header_has(path: &Path, tensor: &str) -> bool {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return false;
+    }
+    let n = u64::from_le_bytes(len);
+    if n > 256 << 20 {
+        return false;
+    }
+    let mut header = vec![0u8; n as usize];
+    if f.read_exact(&mut header).is_err() {
+        return false;
+    }
+    serde_json::from_slice::<serde_json::Value>(&header)
+        .ok()
+        .is_some_and(|v| v.get(tensor).is_some())
+}
+
+fn aligned(x: usize) -> usize {
+    x.next_multiple_of(REGION_ALIGN)
+}
+
+impl<B: ModelBackend> Engine<B> {
+    /// Sets how the vision tower is kept ([`VisionOptions`]). Dropping residence frees the
+    /// resident weights now.
+    pub fn set_vision_options(&mut self, opts: VisionOptions) {
+        self.mm.opts = opts;
+        if !self.keep_resident() {
+            self.mm.tower = None;
+            self.mm.stats.resident_weight_bytes = 0;
+        }
+    }
+
+    /// Vision counters (cumulative, and the loans of the last multimodal call).
+    pub fn vision_stats(&self) -> &VisionStats {
+        &self.mm.stats
+    }
+
+    /// The session's M-RoPE position map (empty for text-only sessions).
+    pub fn position_map(&self) -> &PositionMap {
+        &self.mm.positions
+    }
+
+    /// The vision and preprocessor configuration; [`RuntimeError::InvalidRequest`] when the
+    /// model has no vision tower (`config.json` without `vision_config`).
+    pub fn vision_config(&mut self) -> Result<&VisionConfig> {
+        if self.mm.vision.is_none() {
+            let dir = self.cfg.model_dir.clone();
+            let path = dir.join("config.json");
+            let text = std::fs::read_to_string(&path).map_err(|e| RuntimeError::File {
+                what: "model config",
+                path: path.clone(),
+                detail: e.to_string(),
+            })?;
+            let root: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| RuntimeError::File {
+                    what: "model config",
+                    path: path.clone(),
+                    detail: e.to_string(),
+                })?;
+            if root.get("vision_config").is_none() {
+                return Err(RuntimeError::InvalidRequest(format!(
+                    "this model has no vision tower ({} has no vision_config); send text only",
+                    path.display()
+                )));
+            }
+            // Text-only checkpoints of VL architectures keep `vision_config` but no weights.
+            if !checkpoint_has(&dir, "model.visual.patch_embed.proj.weight") {
+                return Err(RuntimeError::InvalidRequest(format!(
+                    "this model has no vision tower (the checkpoint in {} has no model.visual.* \
+                     weights); send text only",
+                    dir.display()
+                )));
+            }
+            if !dir.join("preprocessor_config.json").is_file() {
+                return Err(RuntimeError::InvalidRequest(format!(
+                    "this model has no vision tower ({} has no preprocessor_config.json); send \
+                     text only",
+                    dir.display()
+                )));
+            }
+            let vc = VisionConfig::from_json_value(&root, &path)?;
+            if vc.out_hidden_size != self.config.hidden_size() {
+                return Err(RuntimeError::InvalidConfig(format!(
+                    "vision out_hidden_size {} differs from the text hidden size {}",
+                    vc.out_hidden_size,
+                    self.config.hidden_size()
+                )));
+            }
+            let pc = PreprocessorConfig::from_model_dir(&dir)?;
+            pc.check_against(&vc)?;
+            self.mm.vision = Some((vc, pc));
+        }
+        match &self.mm.vision {
+            Some((vc, _)) => Ok(vc),
+            None => Err(RuntimeError::Protocol("vision config vanished".into())),
+        }
+    }
+
+    /// True when the model has a loadable vision configuration.
+    pub fn has_vision(&mut self) -> bool {
+        self.vision_config().is_ok()
+    }
+
+    /// Decodes (PNG, JPEG, WebP) and preprocesses image bytes with the model's
+    /// `preprocessor_config.json`. Malformed or unsupported bytes are [`RuntimeError::Image`].
+    pub fn preprocess_image(&mut self, bytes: &[u8]) -> Result<ImageInput> {
+        let merge = self.vision_config()?.spatial_merge_size;
+        let pc = match &self.mm.vision {
+            Some((_, pc)) => pc,
+            None => return Err(RuntimeError::Protocol("vision config vanished".into())),
+        };
+        let _span = tracing::debug_span!("image_preprocess", bytes = bytes.len()).entered();
+        let image = preprocess(bytes, pc)?;
+        let tokens = image.n_tokens(merge);
+        Ok(ImageInput { image, tokens })
+    }
+
+    /// Token ids of chat `messages` whose contents hold one
+    /// [`crate::chat::IMAGE_PLACEHOLDER`] per image (in order), with each `<|image_pad|>`
+    /// expanded to the image's token count.
+    pub fn chat_tokens_with_images(
+        &mut self,
+        messages: &[crate::chat::ChatMessage],
+        images: &[ImageInput],
+    ) -> Result<Vec<u32>> {
+        let pad = self.vision_config()?.image_token_id;
+        let ids = self.tokenize(&crate::Prompt::Chat(messages.to_vec()))?;
+        let counts: Vec<usize> = images.iter().map(ImageInput::n_tokens).collect();
+        expand_image_pads(&ids, pad, &counts)
+    }
+
+    fn keep_resident(&self) -> bool {
+        let o = self.mm.opts;
+        let weights = self
+            .mm
+            .vision
+            .as_ref()
+            .map_or(0, |(vc, _)| vision_weight_bytes(vc));
+        o.keep_weights_resident && weights as u64 <= o.resident_budget_bytes
+    }
+
+    /// The loan each image needs (weights unless resident + workspace), or the typed error for
+    /// the first image that cannot fit the arena. Changes nothing.
+    fn plan_loans(&mut self, images: &[ImageInput]) -> Result<Vec<(usize, usize)>> {
+        let vc = self.vision_config()?.clone();
+        let weights = if self.keep_resident() {
+            0
+        } else {
+            vision_weight_bytes(&vc)
+        };
+        let available = self.cfg.arena_bytes;
+        let mut out = Vec::with_capacity(images.len());
+        for (i, img) in images.iter().enumerate() {
+            let ws = vision_workspace_bytes(&vc, img.grid_thw());
+            let needed = aligned(weights + ws);
+            if needed as u64 > available {
+                self.mm.stats.refused += 1;
+                return Err(RuntimeError::ImageTooLarge {
+                    image: i,
+                    needed: needed as u64,
+                    available,
+                });
+            }
+            out.push((weights, ws));
+        }
+        Ok(out)
+    }
+
+    /// Encodes `images` through arena loans (see the module docs); returns their embedding rows
+    /// concatenated `[Σ tokens, hidden]`. On [`RuntimeError::ImageTooLarge`] nothing changed; on
+    /// any other failure the text phase is resumed before the error is returned. Either way the
+    /// session (host history, recurrent state) is untouched.
+    pub fn encode_images(&mut self, images: &[ImageInput]) -> Result<Vec<f32>> {
+        let plan = self.plan_loans(images)?;
+        let _span = tracing::info_span!("vision_loans", images = images.len()).entered();
+        // The text phase to return to (a fresh engine has none yet: lay out prefill first, so
+        // that the text-only level is well defined).
+        let text_phase = match self.kv.arena().phase() {
+            Some(p @ (Phase::Prefill | Phase::Decode { .. } | Phase::Verify { .. })) => p,
+            _ => Phase::Prefill,
+        };
+        self.kv.set_phase(&self.backend, text_phase)?;
+        self.mm.stats.loans.clear();
+        let mut rows = Vec::new();
+        for (i, (img, (weights, ws))) in images.iter().zip(plan).enumerate() {
+            let text_used = self.kv.arena().arena().used();
+            let out = self.encode_on_loan(i, img, weights, ws, text_used);
+            // Return the region and resume text whatever happened.
+            let resumed = self.kv.set_phase(&self.backend, text_phase);
+            let after = self.kv.arena().arena().used();
+            if let Some(rec) = self.mm.stats.loans.last_mut() {
+                rec.arena_used_after = after;
+            }
+            resumed?;
+            rows.extend(out?);
+        }
+        Ok(rows)
+    }
+
+    fn encode_on_loan(
+        &mut self,
+        i: usize,
+        img: &ImageInput,
+        weights: usize,
+        ws: usize,
+        text_used: usize,
+    ) -> Result<Vec<f32>> {
+        let loan = aligned(weights + ws);
+        let _span = tracing::debug_span!("vision_loan", image = i, loan).entered();
+        // Drain → suspend the device KV mirrors (pages marked stale) → lease the region.
+        self.kv
+            .set_phase(&self.backend, Phase::Vision { bytes: loan })?;
+        let during = self.kv.arena().arena().used();
+        let (vc, dir) = match &self.mm.vision {
+            Some((vc, _)) => (vc.clone(), self.cfg.model_dir.clone()),
+            None => return Err(RuntimeError::Protocol("vision config vanished".into())),
+        };
+        let (tower, loaded) = match self.mm.tower.take() {
+            Some(t) => (t, false),
+            None => (VisionTower::load_with_config(&dir, vc)?, true),
+        };
+        if loaded {
+            self.mm.stats.weight_loads += 1;
+        }
+        // The encoder's bytes are accounted against the region (the host encoder's buffers on
+        // the CPU path): weights held inside the loan + the workspace estimate.
+        let in_loan = if weights > 0 { tower.weight_bytes() } else { 0 };
+        if in_loan + ws > loan {
+            return Err(RuntimeError::Protocol(format!(
+                "vision encoder needs {} bytes, the loan has {loan}",
+                in_loan + ws
+            )));
+        }
+        let t = Instant::now();
+        let rows = tower.encode(img.preprocessed())?;
+        let encode_seconds = t.elapsed().as_secs_f64();
+        if self.keep_resident() {
+            self.mm.stats.resident_weight_bytes = tower.weight_bytes() as u64;
+            self.mm.tower = Some(tower);
+        } else {
+            self.mm.stats.resident_weight_bytes = 0;
+        }
+        self.mm.stats.images += 1;
+        self.mm.stats.peak_loan_bytes = self.mm.stats.peak_loan_bytes.max(loan as u64);
+        self.mm.stats.loans.push(LoanRecord {
+            image: i,
+            grid_thw: img.grid_thw(),
+            tokens: img.n_tokens(),
+            loan_bytes: loan,
+            weight_bytes: weights,
+            workspace_bytes: ws,
+            arena_used_text: text_used,
+            arena_used_during: during,
+            arena_used_after: 0,
+            weights_loaded: loaded,
+            encode_seconds,
+        });
+        Ok(rows)
+    }
+
+    /// Starts a fresh session with a multimodal prompt: `tokens` holds one run of
+    /// `images[i].n_tokens()` `<|image_pad|>` tokens per image, in order. Encodes the images
+    /// (arena loans), then prefills in chunks; returns the last row's logits `[V]`. Continue
+    /// with [`Engine::decode_step`] (positions continue at the prompt's `next_position`).
+    pub fn start_session_multimodal(
+        &mut self,
+        tokens: &[u32],
+        images: &[ImageInput],
+    ) -> Result<Vec<f32>> {
+        self.check_tokens(tokens)?;
+        let grids = self.check_image_runs(tokens, images)?;
+        let rows = self.encode_images(images)?;
+        self.prefill_multimodal(tokens, &grids, &rows)
+    }
+
+    /// Checks the prompt's placeholder runs against the images (before any work); returns the
+    /// grids.
+    fn check_image_runs(
+        &mut self,
+        tokens: &[u32],
+        images: &[ImageInput],
+    ) -> Result<Vec<[usize; 3]>> {
+        let vc = self.vision_config()?.clone();
+        let grids: Vec<[usize; 3]> = images.iter().map(ImageInput::grid_thw).collect();
+        mrope_positions(tokens, &grids, &vc, 0)
+            .map_err(|e| RuntimeError::InvalidRequest(format!("image placeholders: {e}")))?;
+        Ok(grids)
+    }
+
+    /// Resets the session and prefills `tokens` with the image rows at M-RoPE positions.
+    fn prefill_multimodal(
+        &mut self,
+        tokens: &[u32],
+        grids: &[[usize; 3]],
+        rows: &[f32],
+    ) -> Result<Vec<f32>> {
+        let vc = self.vision_config()?.clone();
+        let h = self.config.hidden_size();
+        let pad = vc.image_token_id;
+        let n_pad = tokens.iter().filter(|&&t| t == pad).count();
+        if rows.len() != n_pad * h {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "{n_pad} image tokens but {} embedding rows",
+                rows.len() / h.max(1)
+            )));
+        }
+        let pos = mrope_positions(tokens, grids, &vc, 0)
+            .map_err(|e| RuntimeError::InvalidRequest(format!("image placeholders: {e}")))?;
+        self.reset()?;
+        self.mm.positions.set(pos.positions, pos.rope_delta);
+        self.kv.set_planned_tokens(tokens.len());
+        self.kv.set_phase(&self.backend, Phase::Prefill)?;
+        let chunk = self.cfg.prefill_chunk.max(1);
+        let n_chunks = tokens.len().div_ceil(chunk);
+        let mut used_rows = 0usize;
+        let mut last = Vec::new();
+        for (i, c) in tokens.chunks(chunk).enumerate() {
+            let _span = tracing::debug_span!("mm_prefill_chunk", i, len = c.len()).entered();
+            let k = c.iter().filter(|&&t| t == pad).count();
+            let chunk_rows = &rows[used_rows * h..(used_rows + k) * h];
+            used_rows += k;
+            let want = if i + 1 == n_chunks {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            };
+            let step = self.step_multimodal(c, pad, chunk_rows, want)?;
+            if self.model.has_mtp() {
+                self.mtp_prefill_chunk(c, &step.hidden, LogitRows::None)?;
+            }
+            if let Some(l) = step.logits {
+                last = l;
+            }
+            let done = (i * chunk + c.len()).min(tokens.len());
+            if let Some(cb) = self.prefill_progress.as_mut() {
+                cb(done, tokens.len());
+            }
+        }
+        // Image rows depend on pixels the token ids do not show: keep them out of the prompt
+        // cache's prefix matching.
+        for (s, &t) in self.session_tokens.iter_mut().zip(tokens) {
+            if t == pad {
+                *s = u32::MAX;
+            }
+        }
+        self.prompt_cp = None;
+        Ok(last)
+    }
+
+    /// One prefill step with image rows (the multimodal twin of `Engine::step_full`).
+    fn step_multimodal(
+        &mut self,
+        tokens: &[u32],
+        pad: u32,
+        rows: &[f32],
+        want: LogitRows,
+    ) -> Result<StepOut<B>> {
+        let p0 = self.kv.committed_tokens();
+        let positions = self.mm.positions.range(p0, tokens.len());
+        let checkpoint = if self.cfg.checkpoint_steps {
+            Some(self.state.checkpoint(&self.backend)?)
+        } else {
+            None
+        };
+        self.kv
+            .begin_step(&self.backend, AttentionPhase::Prefill, tokens.len())?;
+        let out = self.model.forward_multimodal(
+            &self.backend,
+            tokens,
+            ImageEmbeds {
+                token_id: pad,
+                rows,
+            },
+            &positions,
+            AttentionPhase::Prefill,
+            &mut self.state,
+            &mut self.kv,
+            want,
+        );
+        let failed = match out {
+            Ok(o) => match self.kv.finish_step(&self.backend) {
+                Ok(()) => Ok(o),
+                Err(e) => Err(e),
+            },
+            Err(e) => {
+                self.kv.abort_step(&self.backend);
+                Err(from_model(e))
+            }
+        };
+        let out = match failed {
+            Ok(o) => o,
+            Err(e) => {
+                if let Some(cp) = &checkpoint {
+                    let _ = self.state.restore_from(&self.backend, cp);
+                }
+                self.session_ok = checkpoint.is_some();
+                return Err(e);
+            }
+        };
+        self.session_tokens.extend_from_slice(tokens);
+        let logits = out
+            .logits
+            .map(|l| self.backend.tensor_to_f32(&l).map_err(RuntimeError::from))
+            .transpose()?;
+        Ok(StepOut {
+            hidden: out.hidden,
+            logits,
+        })
+    }
+
+    /// [`Engine::generate`] with images: `req.prompt` (tokens, or chat/text rendered and
+    /// tokenized) must hold one run of `images[i].n_tokens()` `<|image_pad|>` tokens per image
+    /// (see [`Engine::chat_tokens_with_images`]). Encodes the images through arena loans, then
+    /// prefills and decodes in a fresh session (plain or MTP-speculative as configured).
+    /// `req.reuse_prefix` is ignored (image rows are never reused). Errors before the prefill
+    /// ([`RuntimeError::ImageTooLarge`], [`RuntimeError::Image`], placeholder mismatches) leave
+    /// the previous session as it was.
+    pub fn generate_multimodal(
+        &mut self,
+        req: &GenerateRequest,
+        images: &[ImageInput],
+        mut on_token: impl FnMut(TokenEvent<'_>) -> Flow,
+    ) -> Result<GenerateResult> {
+        let mut on_token = |ev: TokenEvent<'_>| on_token(ev);
+        let mut sampler = Sampler::new(req.sampling)?;
+        let prompt = self.tokenize(&req.prompt)?;
+        self.check_tokens(&prompt)?;
+        let grids = self.check_image_runs(&prompt, images)?;
+        self.kv.reset_stats();
+        self.stats = EngineStats::default();
+        self.spec_stats = SpecStats::default();
+        self.checkpoint_stage_peak = 0;
+        let mut em = Emitter {
+            history: prompt.clone(),
+            generated: Vec::new(),
+            text: String::new(),
+            eos: self.config.eos_token_ids().to_vec(),
+            n_predict: req.n_predict,
+            stop_at_eos: req.stop_at_eos,
+        };
+        let t = Instant::now();
+        let rows = self.encode_images(images)?;
+        if req.n_predict == 0 {
+            return Ok(self.result(prompt, em.generated, em.text, StopReason::Length, 0));
+        }
+        let last = self.prefill_multimodal(&prompt, &grids, &rows)?;
+        self.stats.prefill_tokens = prompt.len() as u64;
+        self.stats.prefill_seconds = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        self.kv
+            .set_planned_tokens(prompt.len() + req.n_predict.saturating_sub(1));
+        let stop = if self.cfg.spec.is_some() {
+            self.decode_speculative(&mut em, last, &mut sampler, &mut on_token)?
+        } else {
+            self.decode_plain(&mut em, last, &mut sampler, &mut on_token)?
+        };
+        self.stats.decode_seconds = t.elapsed().as_secs_f64();
+        let mut text = em.text;
+        if let Some(c) = &self.codec {
+            text = c.decode(&em.generated, true)?;
+        }
+        Ok(self.result(prompt, em.generated, text, stop, 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn position_map_continues_with_the_delta() {
+        let mut m = PositionMap::default();
+        assert_eq!(m.range(3, 2), vec![[3; 3], [4; 3]]);
+        m.set(vec![[0; 3], [1, 1, 1], [1, 1, 2], [3; 3]], -1);
+        assert_eq!(m.range(2, 4), vec![[1, 1, 2], [3; 3], [3; 3], [4; 3]]);
+        m.clear();
+        assert_eq!(m.range(5, 1), vec![[5; 3]]);
+    }
+
+    #[test]
+    fn weight_bytes_from_config_match_the_loaded_tower() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-vl");
+        let tower = VisionTower::load(&dir).expect("tower");
+        assert_eq!(vision_weight_bytes(tower.config()), tower.weight_bytes());
+        let small = vision_workspace_bytes(tower.config(), [1, 4, 4]);
+        let big = vision_workspace_bytes(tower.config(), [1, 8, 16]);
+        assert!(small > 0 && big > 4 * small, "{small} {big}");
+    }
+}
