@@ -8,7 +8,8 @@
 # Then on the GPU machine (device tool `run`, carry [".device-bin"]):
 #   bash .device-bin/run.sh
 # which runs every test binary with --include-ignored --test-threads=1, compute-sanitizer memcheck
-# on the op and attention suites (when compute-sanitizer exists there), and the benchmark, writing
+# on the op and attention suites and racecheck on the op and attention suites (when
+# compute-sanitizer exists there), and the benchmark, writing
 # logs and cuda_bench.txt to $OUT.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -85,6 +86,16 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
     [ "$rc" -eq 0 ] || fail=1
   done
   grep -E "ERROR SUMMARY|test result" "$OUT/memcheck.log"
+  # racecheck: shared-memory hazards (every kernel that uses shared memory is reached by these).
+  for t in $(grep -E 'ops_vs_cpu|attention' "$D/tests.list"); do
+    echo "=== racecheck $t" | tee -a "$OUT/racecheck.log"
+    timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool racecheck --racecheck-report hazard \
+      --error-exitcode 99 "$D/$t" --include-ignored --test-threads=1 >> "$OUT/racecheck.log" 2>&1
+    rc=$?
+    echo "racecheck $t rc=$rc" | tee -a "$OUT/racecheck.log"
+    [ "$rc" -eq 0 ] || fail=1
+  done
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" "$OUT/racecheck.log"
 else
   echo "compute-sanitizer not found: memcheck skipped" | tee "$OUT/memcheck.log"
 fi
