@@ -74,7 +74,30 @@ fn map_file(path: &Path) -> Result<Mmap, ModelError> {
 
 impl Checkpoint {
     /// Opens `dir/model.safetensors.index.json` (sharded) or else `dir/model.safetensors`.
+    /// The vision tower's tensors (`model.visual.*`) are skipped (the vision loader reads them).
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_with(dir, false)
+    }
+
+    /// As [`Checkpoint::open`], also indexing the vision tower's tensors (`kvstream quantize`
+    /// copies them through unchanged).
+    pub fn open_including_vision(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_with(dir, true)
+    }
+
+    /// Names and stored shapes of the tensors whose name starts with `prefix`, sorted by name.
+    pub fn tensors_with_prefix(&self, prefix: &str) -> Vec<(String, Vec<usize>)> {
+        let mut v: Vec<(String, Vec<usize>)> = self
+            .entries
+            .iter()
+            .filter(|(n, _)| n.starts_with(prefix))
+            .map(|(n, e)| (n.clone(), e.shape.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn open_with(dir: &Path, include_vision: bool) -> Result<Self, ModelError> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
@@ -123,7 +146,7 @@ impl Checkpoint {
             let base = 8 + header;
             let file_meta = meta.metadata().clone().unwrap_or_default();
             for (name, info) in meta.tensors() {
-                if name.starts_with("model.visual.") {
+                if !include_vision && name.starts_with("model.visual.") {
                     continue;
                 }
                 let (s, e) = info.data_offsets;

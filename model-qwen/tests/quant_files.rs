@@ -427,3 +427,34 @@ fn synthetic_quantized_models_run_deterministically() {
         assert_eq!(q.weight_bytes(), a.weight_bytes(), "{fmt}");
     }
 }
+
+/// `kvstream quantize` on a vision-language checkpoint keeps the vision tower: the saved
+/// directory encodes images exactly like the source (tensors copied as stored).
+#[test]
+fn saved_quantized_vl_model_keeps_its_vision_tower() {
+    use kvstream_model_qwen::vision::{preprocess, PreprocessorConfig, VisionTower};
+    let src = dir("tiny-vl");
+    let out = tmpdir("save-vl");
+    save_quantized(&src, &out, &WeightPolicy::new(WeightDType::Q8_0), false).expect("save");
+    let cfg = PreprocessorConfig::from_model_dir(&out).expect("preprocessor config copied");
+    let img = std::fs::read(src.join("img_a.png")).expect("image");
+    let p = preprocess(&img, &cfg).expect("preprocess");
+    let want = VisionTower::load(&src)
+        .expect("source tower")
+        .encode(&p)
+        .expect("encode");
+    let got = VisionTower::load(&out)
+        .expect("saved tower")
+        .encode(&p)
+        .expect("encode");
+    assert!(!want.is_empty());
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    // The text model still loads from the saved directory, quantized.
+    let b = CpuBackend::new();
+    let m = QwenModel::load(&b, &out, &LoadOptions::default()).expect("load saved");
+    assert!(m.load_report().quantized > 0);
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -12,7 +12,8 @@
 //! * `config.json` copied with `"quantization_config": {"quant_method": "kvstream", "format":
 //!   ..., "head_format": ...}` (null = as stored); tokenizer, chat-template and generation files
 //!   copied as they are;
-//! * the vision tower (`model.visual.*`) and scale tensors of FP8 sources are not written.
+//! * the vision tower (`model.visual.*`) is copied as stored (a quantized VL model keeps its
+//!   image input); the scale tensors of FP8 sources are not written (their weights are).
 
 use super::convert::convert;
 use super::fp8::check_quantization_config;
@@ -100,7 +101,7 @@ pub(crate) fn save_sharded(
         tracing::info_span!("save_quantized", src = %src.display(), dst = %dst.display()).entered();
     check_quantization_config(src)?;
     let cfg = QwenConfig::from_model_dir(src)?;
-    let ck = Checkpoint::open(src)?;
+    let ck = Checkpoint::open_including_vision(src)?;
     std::fs::create_dir_all(dst).map_err(io(dst))?;
     if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
         if a == b {
@@ -152,6 +153,24 @@ pub(crate) fn save_sharded(
             source,
             shape: t.shape,
             dtype: d.dtype,
+            bytes,
+        });
+    }
+    // The vision tower (`model.visual.*`) is copied through as stored: the vision loader reads
+    // it from the output directory like from the source.
+    for (name, shape) in ck.tensors_with_prefix("model.visual.") {
+        let dtype = ck.stored_dtype(&name, &shape)?;
+        let bytes = dtype
+            .storage_bytes(&shape)
+            .map_err(|source| ModelError::WeightFormat {
+                name: name.clone(),
+                source,
+            })?;
+        items.push(Item {
+            source: name.clone(),
+            name,
+            shape,
+            dtype,
             bytes,
         });
     }
