@@ -6,9 +6,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvstream_memory_contracts::ops::ModelBackend;
-use kvstream_runtime::chat::ChatMessage;
+use kvstream_runtime::chat::{expand_image_pads, ChatMessage, ChatPart};
 use kvstream_runtime::engine::{Engine, Flow, GenerateRequest, Prompt};
 use kvstream_runtime::sampling::SamplingParams;
+use kvstream_runtime::ImageInput;
 use std::io::{IsTerminal, Write};
 
 /// Flags of `generate`.
@@ -25,6 +26,11 @@ pub struct GenerateArgs {
     /// A user message, rendered with the model's chat template.
     #[arg(long, group = "input")]
     pub chat: Option<String>,
+    /// An image file (PNG, JPEG, WebP) for a vision-language model; repeat for several. With
+    /// --chat the images come before the text of the user message; with --prompt or
+    /// --prompt-tokens each `<|image_pad|>` token of the prompt stands for one image, in order.
+    #[arg(long = "image", value_name = "PATH")]
+    pub images: Vec<std::path::PathBuf>,
     /// Tokens to generate.
     #[arg(long, short = 'n', default_value_t = 64)]
     pub n_predict: usize,
@@ -80,6 +86,52 @@ impl GenerateArgs {
     }
 }
 
+/// Decodes `--image` files and turns the prompt into tokens whose image placeholders are
+/// expanded to each image's token count (no images: the request unchanged).
+fn with_images<B: ModelBackend>(
+    engine: &mut Engine<B>,
+    mut req: GenerateRequest,
+    args: &GenerateArgs,
+) -> Result<(GenerateRequest, Vec<ImageInput>)> {
+    if args.images.is_empty() {
+        return Ok((req, Vec::new()));
+    }
+    if !engine.has_vision() {
+        bail!(
+            "--image: the model at {} has no vision tower (needs vision_config, model.visual.* \
+             weights and preprocessor_config.json)",
+            args.engine.model.display()
+        );
+    }
+    let mut images = Vec::with_capacity(args.images.len());
+    for path in &args.images {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("--image: reading {}", path.display()))?;
+        let img = engine
+            .preprocess_image(&bytes)
+            .with_context(|| format!("--image {}", path.display()))?;
+        images.push(img);
+    }
+    let tokens = match &req.prompt {
+        Prompt::Chat(msgs) => {
+            let mut parts = vec![ChatPart::Image; images.len()];
+            let text = msgs.iter().map(|m| m.content.as_str()).collect::<String>();
+            parts.push(ChatPart::Text(text));
+            engine.chat_tokens_with_images(&[ChatMessage::from_parts("user", &parts)], &images)?
+        }
+        prompt => {
+            let ids = engine.tokenize(prompt)?;
+            let pad = engine.vision_config()?.image_token_id;
+            let counts: Vec<usize> = images.iter().map(ImageInput::n_tokens).collect();
+            expand_image_pads(&ids, pad, &counts).with_context(|| {
+                format!("--image: put one <|image_pad|> (id {pad}) in the prompt per image")
+            })?
+        }
+    };
+    req.prompt = Prompt::Tokens(tokens);
+    Ok((req, images))
+}
+
 struct Run(GenerateArgs);
 
 impl OnBackend for Run {
@@ -100,6 +152,7 @@ impl OnBackend for Run {
             pb.finish_and_clear();
         }
         let mut engine = loaded.context("loading the engine")?;
+        let (req, images) = with_images(&mut engine, req, &args)?;
         if tty {
             let bar = ProgressBar::new(0);
             bar.set_style(
@@ -116,15 +169,19 @@ impl OnBackend for Run {
         }
         let json = args.json;
         let mut out = std::io::stdout();
-        let result = engine
-            .generate(&req, |ev| {
-                if !json {
-                    let _ = out.write_all(ev.text.as_bytes());
-                    let _ = out.flush();
-                }
-                Flow::Continue
-            })
-            .context("generation failed")?;
+        let on_token = |ev: kvstream_runtime::engine::TokenEvent<'_>| {
+            if !json {
+                let _ = out.write_all(ev.text.as_bytes());
+                let _ = out.flush();
+            }
+            Flow::Continue
+        };
+        let result = if images.is_empty() {
+            engine.generate(&req, on_token)
+        } else {
+            engine.generate_multimodal(&req, &images, on_token)
+        }
+        .context("generation failed")?;
         if json {
             let r = engine.load_report();
             let v = serde_json::json!({

@@ -221,3 +221,103 @@ fn inspect_lists_capabilities_and_the_arena_plan() {
     assert!(s.contains("q8_0"), "{s}");
     assert!(s.contains("Prefill") && s.contains("Decode"), "{s}");
 }
+
+fn vl_oracle_ids(key: &str) -> Vec<u32> {
+    let bytes = std::fs::read(root().join("fixtures/tiny-vl/oracle.safetensors")).expect("oracle");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    st.tensor(key)
+        .expect("tensor")
+        .data()
+        .chunks_exact(8)
+        .map(|c| {
+            let v = i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            u32::try_from(v).expect("id")
+        })
+        .collect()
+}
+
+/// `generate --image A --image B` on the tiny VL fixture: each `<|image_pad|>` of the prompt
+/// stands for one image; the greedy continuation equals HF's. Images on a text-only model and
+/// a prompt with the wrong number of placeholders are clear errors.
+#[test]
+fn generate_with_images_matches_the_hf_greedy_continuation() {
+    let (ids, gen) = (vl_oracle_ids("ids"), vl_oracle_ids("gen"));
+    let want = &gen[ids.len()..];
+    let pad = 250u32; // image_token_id of the fixture
+    let mut collapsed: Vec<u32> = Vec::new();
+    for &t in &ids {
+        if !(t == pad && collapsed.last() == Some(&pad)) {
+            collapsed.push(t);
+        }
+    }
+    assert_eq!(collapsed.iter().filter(|&&t| t == pad).count(), 2);
+    let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let prompt = list(&collapsed);
+    let n = want.len().to_string();
+    let o = kvstream(&[
+        "generate",
+        "--model",
+        "fixtures/tiny-vl",
+        "--prompt-tokens",
+        &prompt,
+        "--image",
+        "fixtures/tiny-vl/img_a.png",
+        "--image",
+        "fixtures/tiny-vl/img_b.png",
+        "--n-predict",
+        &n,
+        "--ignore-eos",
+        "--json",
+        "--kv-page-tokens",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let got: Vec<u32> = v["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("id") as u32)
+        .collect();
+    assert_eq!(got, want, "greedy continuation after two images vs HF");
+    let prompt_tokens: Vec<u64> = v["prompt_tokens"]
+        .as_array()
+        .expect("prompt token ids")
+        .iter()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    assert_eq!(
+        prompt_tokens,
+        ids.iter().map(|&t| u64::from(t)).collect::<Vec<_>>(),
+        "each placeholder expanded to its image's token count"
+    );
+
+    // One placeholder for two images: a clear error naming the rule.
+    let one = list(&collapsed[..collapsed.iter().position(|&t| t == pad).expect("pad") + 1]);
+    let o = kvstream(&[
+        "generate",
+        "--model",
+        "fixtures/tiny-vl",
+        "--prompt-tokens",
+        &one,
+        "--image",
+        "fixtures/tiny-vl/img_a.png",
+        "--image",
+        "fixtures/tiny-vl/img_b.png",
+        "--json",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("<|image_pad|>"), "{}", stderr(&o));
+    // A text-only model.
+    let o = kvstream(&[
+        "generate",
+        "--model",
+        "fixtures/tiny-bare-text",
+        "--prompt-tokens",
+        "1,2,3",
+        "--image",
+        "fixtures/tiny-vl/img_a.png",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no vision tower"), "{}", stderr(&o));
+}
