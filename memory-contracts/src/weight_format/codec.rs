@@ -505,17 +505,36 @@ mod tests {
             let x = random(rows * k, seed);
             for (dt, rel) in [
                 (WeightDType::Q8_0, 1.0 / 254.0 + 1e-3),
-                (WeightDType::Q4G128, 1.0 / 8.0 * 1.2),
+                (WeightDType::Q4G128, 1.0 / 16.0),
                 (WeightDType::F8E4M3, 1.0 / 16.0),
             ] {
                 let bytes = quantize(dt, &x, &[rows, k]).expect("q");
                 let y = dequantize(dt, &bytes, &[rows, k]).expect("dq");
-                // Per group: |err| ≤ rel · amax (a coarse bound every format meets).
                 let g = dt.group_len();
                 for (xs, ys) in x.chunks(g).zip(y.chunks(g)) {
                     let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    for (a, b) in xs.iter().zip(ys) {
-                        prop_assert!((a - b).abs() <= rel * amax * 1.0001, "{} {} vs {}", dt, a, b);
+                    if dt == WeightDType::Q4G128 {
+                        // The q4 search minimises the group's squared error and may clip an
+                        // outlier to do so, so its bound is on the RMS: never worse than the
+                        // base scale amax/8, whose error is at most half a step (amax/16).
+                        let sse: f64 = xs
+                            .iter()
+                            .zip(ys)
+                            .map(|(a, b)| f64::from(a - b).powi(2))
+                            .sum();
+                        let rms = (sse / xs.len() as f64).sqrt();
+                        prop_assert!(
+                            rms <= f64::from(rel * amax) * 1.01,
+                            "{} rms {} vs amax {}", dt, rms, amax
+                        );
+                    } else {
+                        // Per element: |err| ≤ rel · amax.
+                        for (a, b) in xs.iter().zip(ys) {
+                            prop_assert!(
+                                (a - b).abs() <= rel * amax * 1.0001,
+                                "{} {} vs {}", dt, a, b
+                            );
+                        }
                     }
                 }
                 // Quantizing the dequantized values reproduces the same bytes for q8_0/fp8
