@@ -54,6 +54,10 @@ pub struct CudaBackend {
     arch: String,
     total_mem: usize,
     pub(crate) max_smem_optin: usize,
+    /// Streaming multiprocessors (the attention split target counts blocks per SM).
+    pub(crate) sm_count: usize,
+    /// Blocks of one full wave of the fast attention kernel, by head_dim (cached occupancy).
+    pub(crate) attn_wave_blocks: Mutex<HashMap<usize, usize>>,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -115,6 +119,12 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map(|v| v.max(0) as usize)
             .unwrap_or(48 * 1024);
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map(|v| v.max(1) as usize)
+            .unwrap_or(1);
         let compute = ctx
             .new_stream()
             .map_err(|e| cap(format!("cannot create the compute stream: {e:?}")))?;
@@ -138,6 +148,8 @@ impl CudaBackend {
             arch,
             total_mem,
             max_smem_optin,
+            sm_count,
+            attn_wave_blocks: Mutex::new(HashMap::new()),
         })
     }
 

@@ -142,7 +142,8 @@ fn deq(dt: WeightDType, bytes: &[u8], dims: &[usize]) -> Vec<f32> {
 fn shapes_for(dt: WeightDType) -> Vec<(usize, usize)> {
     let mut s = vec![(70, 384), (33, 1152), (7, 4096), (130, 640)];
     match dt {
-        WeightDType::Q4G128 => {}
+        // K % 1024 == 0 with one warp per row: the coalesced-x q4 instances ((7, 4096) splits).
+        WeightDType::Q4G128 => s.push((70, 2048)),
         WeightDType::Q8_0 => s.push((70, 96)),
         _ => {
             s.push((70, 200));
@@ -248,8 +249,14 @@ fn all_codes_blob(dt: WeightDType, n: usize, k: usize, rng: &mut StdRng) -> Vec<
 fn matmul_decodes_every_code_exactly() {
     let p = Pair::new();
     let mut rng = StdRng::seed_from_u64(11);
-    let (n, k) = (24usize, 256usize);
-    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+    let n = 24usize;
+    // K = 1024 also covers the coalesced-x q4 instances (K % 1024 == 0).
+    for (dt, k) in [
+        (WeightDType::Q8_0, 256usize),
+        (WeightDType::Q4G128, 256),
+        (WeightDType::Q4G128, 1024),
+        (WeightDType::F8E4M3, 256),
+    ] {
         let blob = all_codes_blob(dt, n, k, &mut rng);
         let want = deq(dt, &blob, &[n, k]);
         assert!(want.iter().all(|v| v.is_finite()));

@@ -81,6 +81,9 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_q4g128_t1",
             "gemv_q4g128_t4",
             "gemv_q4g128_t8",
+            "gemv_q4g128x_t1",
+            "gemv_q4g128x_t4",
+            "gemv_q4g128x_t8",
             "gemv_f8e4m3_t1",
             "gemv_f8e4m3_t4",
             "gemv_f8e4m3_t8",
@@ -135,7 +138,7 @@ pub mod launch {
     /// Threads per block of the generic attention kernel (`attn_accumulate`).
     pub const ATT_THREADS: usize = 256;
     /// Most splits of one evaluation (`attn_finish` holds one weight per split in shared memory).
-    pub const ATT_MAX_SPLITS: usize = 64;
+    pub const ATT_MAX_SPLITS: usize = 256;
     /// Tokens per chunk of the fast Q8_0/Q4_0 decode kernel (`attn_accumulate_q8q4`, `FA_CHUNK`);
     /// pages must hold at least this many tokens for the fast kernel.
     pub const ATT_FAST_CHUNK: usize = 64;

@@ -655,7 +655,7 @@ extern "C" __global__ void attn_accumulate_q8q4(
 // ------------------------------------------------------------------------------------------------
 // out[qi, head * D + d] = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), splits summed in index
 // order. One block per (query, head); every split holds tokens, so every split's state was written.
-#define ATT_FINISH_MAX_SPLITS 64
+#define ATT_FINISH_MAX_SPLITS 256
 
 extern "C" __global__ void attn_finish(const float* state, float* out, int n_splits, int width, int q_heads,
                                        int head_dim) {

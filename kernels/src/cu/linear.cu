@@ -207,7 +207,7 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <int FMT, int TM, int R = GV_R, int NS = GP_NS>
+template <int FMT, int TM, int R = GV_R, int NS = GP_NS, bool XC = false>
 __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8* __restrict__ w,
                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int split) {
     typedef Fmt<FMT> F;
@@ -244,7 +244,10 @@ __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8*
         par[r] = (u32)(so >> 1) & 1u;
     }
     const u64 wstep = stride * 16, sstep = F::SB ? stride * EPC / F::GROUP * F::SB : 0;
-    const u32 cbase = smem_addr(&ring[warp][0][0][lane]), sbase = smem_addr(&sring[warp][0][0][F::SB ? lane : 0]);
+    // XC (q4_g128 with K % 1024 == 0, see "coalesced x" below): lane l's chunk lands in the
+    // swizzled slot l ^ ((l >> 3) & 3), so the 2-byte reads of the compute loop are conflict-free.
+    const int cslot = XC ? (lane ^ ((lane >> 3) & 3)) : lane;
+    const u32 cbase = smem_addr(&ring[warp][0][0][cslot]), sbase = smem_addr(&sring[warp][0][0][F::SB ? lane : 0]);
     u64 ci = c0;
     int sti = 0;
     auto issue = [&]() {
@@ -273,6 +276,58 @@ __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8*
     const float* xc = x + c0 * EPC;
     int st = 0;
     for (u64 c = c0; c < nch; c += stride, xc += stride * EPC, st = st + 1 == NS ? 0 : st + 1) {
+        if constexpr (XC) {
+            // Coalesced x (q4_g128 only; the launcher picks it when K % 1024 == 0, so every trip
+            // of 32 chunks is whole and the loop condition is warp-uniform). Lanes read chunks
+            // other lanes copied: the warp syncs before a stage is refilled (WAR) and after the
+            // wait (RAW). Lane l = 4G + q works on the 128-group G of the trip (its own chunk's
+            // scale group, so its staged scale serves all its values) and takes the 4-value
+            // sub-words q, q + 4, ..., q + 28 of that group: at each step the warp's x float4
+            // reads are 8 runs of 64 contiguous bytes instead of 32 lines 128 bytes apart.
+            // Per-lane order: trips ascending, sub-words ascending, values ascending — a function
+            // of K alone, so rows stay bit-identical for every T.
+            __syncwarp();
+            issue();
+            cp_wait<NS - 1>();
+            __syncwarp();
+            const int G = lane >> 2, q = lane & 3;
+            typename F::P p[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                u32 v = sring[warp][st][r][F::SB ? lane : 0];
+                p[r] = F::prep(f16_to_f32((u16)(par[r] ? (v >> 16) : (v & 0xffffu))));
+            }
+            const float* xt = xc - (u64)lane * EPC;
+#pragma unroll
+            for (int i = 0; i < EPC / 4; i++) {
+                const int ch = 4 * G + (i >> 1);
+                const int slot = ch ^ ((ch >> 3) & 3);
+                const int hw = q + 4 * (i & 1);
+                float4 xv[TM];
+#pragma unroll
+                for (int t = 0; t < TM; t++) xv[t] = __ldg((const float4*)(xt + xoff[t]) + 32 * G + q + 4 * i);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const u32 v = ((const u16*)&ring[warp][st][r][slot])[hw];
+                    const u32 a = v << 8;
+                    float wv[4];
+                    wv[0] = fmaf(__uint_as_float((a & 0x00000f00u) | one), p[r].m15, p[r].c15);
+                    wv[1] = fmaf(__uint_as_float((a & 0x0000f000u) | one), p[r].m11, p[r].c11);
+                    wv[2] = fmaf(__uint_as_float((v & 0x00000f00u) | one), p[r].m15, p[r].c15);
+                    wv[3] = fmaf(__uint_as_float((v & 0x0000f000u) | one), p[r].m11, p[r].c11);
+#pragma unroll
+                    for (int t = 0; t < TM; t++) {
+                        float acc_ = acc[r][t];
+                        acc_ = fmaf(wv[0], xv[t].x, acc_);
+                        acc_ = fmaf(wv[1], xv[t].y, acc_);
+                        acc_ = fmaf(wv[2], xv[t].z, acc_);
+                        acc_ = fmaf(wv[3], xv[t].w, acc_);
+                        acc[r][t] = acc_;
+                    }
+                }
+            }
+            continue;
+        }
         issue();
         cp_wait<NS - 1>();
         uint4 cur[R];
@@ -375,6 +430,10 @@ extern "C" __launch_bounds__(128, 2) __global__ void gemv_q8_0_t8(GEMV_ARGS) { g
 extern "C" __launch_bounds__(128, 3) __global__ void gemv_q4g128_t1(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 1, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128_t4(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 4, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128_t8(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 8, 4, 4>(GEMV_PASS); }
+// q4_g128 with coalesced x reads (K % 1024 == 0; see XC in gemv_pipe): the decode-shape instances.
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_q4g128x_t1(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 1, 8, 2, true>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128x_t4(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 4, 8, 2, true>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128x_t8(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 8, 4, 4, true>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_f8e4m3_t1(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 1, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 3) __global__ void gemv_f8e4m3_t4(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 4, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 8, 4, 4>(GEMV_PASS); }

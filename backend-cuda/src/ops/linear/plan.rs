@@ -32,6 +32,13 @@ const GEMV_KERNELS: [[&str; 3]; 6] = [
     ["gemv_f8e4m3_t1", "gemv_f8e4m3_t4", "gemv_f8e4m3_t8"],
 ];
 
+/// The q4_g128 instances with coalesced x reads (`XC` in linear.cu), used when a warp's trip of
+/// 32 chunks never runs past the row end (K a multiple of [`Q4X_K_MULTIPLE`]); a function of K
+/// only, so T-independence holds.
+const GEMV_Q4X_KERNELS: [&str; 3] = ["gemv_q4g128x_t1", "gemv_q4g128x_t4", "gemv_q4g128x_t8"];
+/// K multiple that selects [`GEMV_Q4X_KERNELS`]: 32 lanes × 32 values per 16-byte chunk.
+pub(crate) const Q4X_K_MULTIPLE: usize = 1024;
+
 /// Elements in one 16-byte chunk of a weight row (`Fmt<..>::EPC` in linear.cu).
 pub(crate) fn chunk_elems(d: WeightDType) -> usize {
     match d {
@@ -94,8 +101,13 @@ pub(crate) fn gemv_plan(
     if blocks > i32::MAX as u32 {
         return None;
     }
+    let name = if d == WeightDType::Q4G128 && k % Q4X_K_MULTIPLE == 0 {
+        GEMV_Q4X_KERNELS[width]
+    } else {
+        GEMV_KERNELS.get(code)?[width]
+    };
     Some(GemvPlan::Vector {
-        name: GEMV_KERNELS.get(code)?[width],
+        name,
         split,
         blocks,
     })
@@ -134,6 +146,25 @@ mod tests {
                     other => other.to_string(),
                 };
                 assert!(name.contains(&tag), "{d} → {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn q4_rows_of_whole_trips_take_the_coalesced_instances() {
+        let d = WeightDType::Q4G128;
+        let code = dtype_code(d) as usize;
+        let name = |t, k| match gemv_plan(d, code, t, 64, k, 0) {
+            Some(GemvPlan::Vector { name, .. }) => name,
+            other => panic!("{other:?}"),
+        };
+        for t in 1..=8 {
+            for k in [1024, 5120, 17408] {
+                assert!(name(t, k).starts_with("gemv_q4g128x_"), "t={t} k={k}");
+                assert!(kvstream_kernels::module_of(name(t, k)).is_some());
+            }
+            for k in [128, 640, 1152] {
+                assert!(name(t, k).starts_with("gemv_q4g128_t"), "t={t} k={k}");
             }
         }
     }
