@@ -4,9 +4,11 @@
 //! Two accumulate kernels share one state layout (`[n_splits, width, q_heads, head_dim + 2]`, max
 //! in the log2 domain) and one finish kernel:
 //!
-//! * `attn_accumulate_q8q4` — the decode fast path (Q8_0 K / Q4_0 V, widths 1..=4, tensor cores,
-//!   exact operands), chosen when [`CudaBackend::attention_uses_fast_path`] says so;
-//! * `attn_accumulate` — every other K/V pair, width, prefill chunk or page size.
+//! * `attn_accumulate_q8q4` — the tensor-core path for Q8_0 K / Q4_0 V (exact operands): decode
+//!   and verification (widths 1..=4, one tile of every query) and prefill chunks (tiles of
+//!   `32 / group` queries over grid z, each tile skipping the chunks its causal mask hides),
+//!   chosen when [`CudaBackend::attention_uses_fast_path`] says so;
+//! * `attn_accumulate` — every other K/V pair or page size (SIMT).
 //!
 //! The kernel of an evaluation is a function of its shape and page geometry only (both fixed for
 //! the whole evaluation), so every span and wave of one evaluation runs the same arithmetic.
@@ -115,8 +117,11 @@ pub fn attn_splits_for(shape: &AttentionShape, target_blocks: usize) -> AttnSpli
 /// Launch choice of the fast kernel for one evaluation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct FastCfg {
-    /// n-tiles of 8 query rows (`ceil(group * width / 8)`).
+    /// n-tiles of 8 query rows (`ceil(group * qt / 8)`).
     nt: usize,
+    /// Queries per block (grid z = `ceil(width / qt)`): the whole width for decode and
+    /// verification (width ≤ 4), `32 / group` for prefill.
+    qt: usize,
     /// Dynamic shared memory in bytes.
     smem: usize,
 }
@@ -140,19 +145,23 @@ fn fast_cfg(shape: &AttentionShape, g: &PageGeometry, max_smem: usize) -> Option
     if !matches!(shape.head_dim, 64 | 128 | 256) {
         return None;
     }
-    if shape.width == 0 || shape.width > ATT_QW || shape.kv_heads == 0 {
+    if shape.width == 0 || shape.kv_heads == 0 {
         return None;
     }
-    let rows = shape.q_heads / shape.kv_heads * shape.width;
-    if rows == 0 || rows > ATT_FAST_ROWS {
+    let group = shape.q_heads / shape.kv_heads;
+    if group == 0 || group > ATT_FAST_ROWS || g.tokens_per_page() < ATT_FAST_CHUNK {
         return None;
     }
-    if g.tokens_per_page() < ATT_FAST_CHUNK {
-        return None;
-    }
-    let nt = rows.div_ceil(8);
+    // Decode/verification: one tile of every query (the row order of widths 1..=4 is the one
+    // the bit-identity across widths relies on). Prefill: tiles of as many queries as fit.
+    let qt = if shape.width <= ATT_QW && group * shape.width <= ATT_FAST_ROWS {
+        shape.width
+    } else {
+        (ATT_FAST_ROWS / group).min(shape.width)
+    };
+    let nt = (group * qt).div_ceil(8);
     let smem = fast_smem_bytes(shape.head_dim, nt);
-    (smem <= max_smem).then_some(FastCfg { nt, smem })
+    (smem <= max_smem).then_some(FastCfg { nt, qt, smem })
 }
 
 /// Environment override of the split target (blocks per evaluation; A/B measurements).
@@ -330,7 +339,7 @@ impl CudaBackend {
     }
 
     /// True when an evaluation of `shape` over pages of `geometry` runs the tensor-core decode
-    /// kernel (Q8_0 K / Q4_0 V, head_dim 64/128/256, width ≤ 4, group × width ≤ 32, pages of
+    /// kernel (Q8_0 K / Q4_0 V, head_dim 64/128/256, group ≤ 32 query heads per KV head, pages of
     /// ≥ 64 tokens, shared memory fits, and `KVSTREAM_ATTN_GENERIC` unset). Fixed per evaluation.
     pub fn attention_uses_fast_path(
         &self,
@@ -375,12 +384,16 @@ impl CudaBackend {
         reserve_smem(f, cfg.smem)?;
         let geo = Self::attn_geo(shape, g);
         let launch = LaunchConfig {
-            grid_dim: (shape.kv_heads as u32, splits.count as u32, 1),
+            grid_dim: (
+                shape.kv_heads as u32,
+                splits.count as u32,
+                shape.width.div_ceil(cfg.qt) as u32,
+            ),
             block_dim: (ATT_FAST_THREADS as u32, 1, 1),
             shared_mem_bytes: cfg.smem as u32,
         };
         let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
-        let (ns, nt) = (splits.count as i32, cfg.nt as i32);
+        let (ns, nt, qt) = (splits.count as i32, cfg.nt as i32, cfg.qt as i32);
         for span in plan.spans() {
             let vec = copy_width(pp + span.offset as u64, g);
             let (off, first, count) = (
@@ -388,7 +401,7 @@ impl CudaBackend {
                 span.first_token as i32,
                 span.count as i32,
             );
-            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &nt];
+            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &nt, &qt];
             self.launch("attn_accumulate_q8q4", f, launch, &mut a)
                 .map_err(op_err)?;
         }
@@ -655,15 +668,20 @@ mod tests {
     }
 
     #[test]
-    fn fast_path_covers_27b_decode_only() {
+    fn fast_path_covers_27b_decode_and_prefill_tiles() {
         let g = PageGeometry::new(256, 4, 256, KvType::Q8_0, KvType::Q4_0).expect("geometry");
         let limit = 227 * 1024;
         for width in 1..=4 {
             let c = fast_cfg(&shape(width, 65_536, 4), &g, limit).expect("fast");
             assert_eq!(c.nt, (6 * width).div_ceil(8));
+            assert_eq!(c.qt, width, "decode/verify: one tile of every query");
             assert!(c.smem <= limit / 2, "two blocks per SM: {}", c.smem);
         }
-        assert!(fast_cfg(&shape(5, 65_536, 4), &g, limit).is_none());
+        // Prefill chunks: tiles of 32 / 6 = 5 queries (30 rows), the last one partial.
+        for width in [5, 9, 256] {
+            let c = fast_cfg(&shape(width, 65_536, 4), &g, limit).expect("fast prefill");
+            assert_eq!((c.qt, c.nt), (5, 4), "width {width}");
+        }
         let small = PageGeometry::new(16, 4, 256, KvType::Q8_0, KvType::Q4_0).expect("geometry");
         assert!(fast_cfg(&shape(1, 4096, 4), &small, limit).is_none());
         let mut bf = shape(1, 4096, 4);

@@ -243,11 +243,15 @@ fn fast_decode_kernel_matches_cpu_including_27b_geometry() {
     let mut rng = StdRng::seed_from_u64(13);
     // (tokens per page, group, kv heads, head_dim, widths, tokens): small heads at widths 1..=4,
     // 128-wide heads, and the 27B geometry (24 query heads, 4 KV heads × 256, 256-token pages).
-    let cases: [(usize, usize, usize, usize, &[usize], (usize, usize)); 4] = [
+    // Widths above 4 are prefill chunks: query tiles of 32 / group over grid z, each skipping the
+    // chunks its causal mask hides (a tile can miss a split's first chunk entirely).
+    let cases: [(usize, usize, usize, usize, &[usize], (usize, usize)); 6] = [
         (64, 3, 2, 64, &[1, 2, 3, 4], (300, 700)),
         (64, 8, 1, 128, &[1, 4], (500, 900)),
         (256, 6, 4, 256, &[1, 4], (2500, 3500)),
         (128, 6, 4, 256, &[2, 3], (1000, 1500)),
+        (256, 6, 4, 256, &[5, 9, 256], (2500, 3500)),
+        (64, 3, 2, 64, &[37, 300], (300, 700)),
     ];
     for (tpp, group, kv_heads, head_dim, widths, (lo, hi)) in cases {
         for &width in widths {
@@ -285,7 +289,7 @@ fn fast_decode_kernel_streamed_equals_resident_bit_for_bit() {
         (64, 6, 2, 256),
         (128, 6, 4, 256),
     ] {
-        for width in [1usize, 3, 4] {
+        for width in [1usize, 3, 4, 37] {
             let total = 2000 + rng.random_range(0..200);
             let g = PageGeometry::new(tpp, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0)
                 .expect("geometry");

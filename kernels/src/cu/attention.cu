@@ -168,8 +168,9 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 }
 
 // ------------------------------------------------------------------------------------------------
-// Fast decode path: Q8_0 K / Q4_0 V, head_dim in {64, 128, 256}, width <= 4,
-// R = group * width <= 32 query rows, pages of >= 64 tokens. Tensor cores (mma.sync m16n8k16, f16
+// Fast path: Q8_0 K / Q4_0 V, head_dim in {64, 128, 256}, pages of >= 64 tokens, R <= 32 query
+// rows per block: decode/verification (width <= 4, R = group * width, one query tile) and prefill
+// (grid z = query tiles of qt = 32 / group queries; a tile stops at its causal bound). Tensor cores (mma.sync m16n8k16, f16
 // inputs, f32 accumulation) with exact operands:
 //
 // * Q8_0 K values are int8 (exact in f16); the query (times scale * log2 e) is split into
@@ -179,7 +180,7 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 // * Q4_0 V values (nibble - 8) are exact in f16; the block's V scale folds into the probabilities:
 //   B = p * vscale(t, b), split hi/lo the same way.
 //
-// Grid: (kv_heads, n_splits); block: 128 threads = 4 warps; one block = one (KV head, split) and all
+// Grid: (kv_heads, n_splits, query tiles); block: 128 threads = 4 warps; one block = one (KV head, split) and all
 // R query rows of the group, so each K/V byte is read from HBM once for all queries. The split's
 // chunks (every n_splits-th 64-token chunk, 64-aligned, inside one page) are walked in token order,
 // double buffered with cp.async:
@@ -311,7 +312,8 @@ __device__ __forceinline__ void fa_issue(u8* kdst, u8* vdst, const u8* ksrc, con
 template <int NT, int D>
 __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* __restrict__ pool,
                                         float* __restrict__ state, const AttnGeo& geo, u64 span_offset,
-                                        int span_first, int span_count, int n_splits, int vec, u8* sm) {
+                                        int span_first, int span_count, int n_splits, int vec, int qt,
+                                        u8* sm) {
     constexpr int KHB = D / 32 * 34;
     constexpr int VHB = D / 32 * 18;
     constexpr int DW = D / 4;    // dims per warp in phase 3
@@ -319,7 +321,13 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     constexpr int KS = D / 16;   // 16-dim k-steps of QK
     const int G = geo.q_heads / geo.kv_heads;
     const int W = geo.width;
-    const int R = G * W;
+    // Query tile (blockIdx.z): queries [q0, q0 + Wz) of the W, rows r = (query - q0) * G + head.
+    // Decode and verification (W <= 4) run one tile of all W queries; prefill tiles hold
+    // qt = 32 / G queries (the launcher's choice), so R = G * Wz <= 32 always.
+    const int q0 = blockIdx.z * qt;
+    const int Wz = min(qt, W - q0);
+    if (Wz <= 0) return;
+    const int R = G * Wz;
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -331,10 +339,26 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     const int end = min(span_first + span_count, geo.total);
     if (end <= span_first) return;
     const int clo = span_first / FA_CHUNK;
-    const int chi = (end + FA_CHUNK - 1) / FA_CHUNK;
     const int cfirst = clo + (split - clo % n_splits + n_splits) % n_splits;
-    if (cfirst >= chi) return;
+    if (cfirst >= (end + FA_CHUNK - 1) / FA_CHUNK) return;
     const bool fresh = cfirst == split;  // this launch holds the split's first chunk
+    // Causal bound of the tile: its last query (W - 1 - (q0 + Wz - 1) rows before the end of
+    // the history) sees tokens < total - W + q0 + Wz; later chunks are wholly masked for every
+    // row of the tile and are skipped. A tile that skips the split's first chunk still starts
+    // the split's state (empty: later launches only hold later, equally masked tokens).
+    const int endz = min(end, geo.total - W + q0 + Wz);
+    const int chi = (endz + FA_CHUNK - 1) / FA_CHUNK;
+    if (cfirst >= chi) {
+        if (fresh) {
+            const int rowlen0 = D + 2;
+            for (int e = tid; e < R * rowlen0; e += FA_THREADS) {
+                const int r = e / rowlen0, c = e - r * rowlen0;
+                state[(((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen0 + c] =
+                    c == 0 ? NEG_INF : 0.0f;
+            }
+        }
+        return;
+    }
     const int nchunks = (chi - cfirst + n_splits - 1) / n_splits;
 
     u8* kbuf = sm;                                        // [2][64][KHB]
@@ -371,7 +395,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         const int d = kstep * 16 + (ln & 3) * 2;
         float x0 = 0.0f, x1 = 0.0f, x8 = 0.0f, x9 = 0.0f;
         if (r < R) {
-            const float* qr = q + ((u64)(r / G) * geo.q_heads + kvh * G + r % G) * D;
+            const float* qr = q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D;
             x0 = qr[d] * geo.scale_log2;
             x1 = qr[d + 1] * geo.scale_log2;
             x8 = qr[d + 8] * geo.scale_log2;
@@ -387,7 +411,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         const int r = tid;
         float m = NEG_INF, l = 0.0f;
         if (r < R && !fresh) {
-            const float* st = state + (((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+            const float* st = state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
             m = st[0];
             l = st[1];
         }
@@ -408,7 +432,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 const int r = nt * 8 + 2 * tq + (i & 1);
                 float v = 0.0f;
                 if (!fresh && r < R) {
-                    v = state[(((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d];
+                    v = state[(((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d];
                 }
                 acc[mt][nt][i] = v;
             }
@@ -477,7 +501,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 for (int i = 0; i < 4; i++) {
                     const int r = nt * 8 + 2 * tq + (i & 1);
                     const int t = (i >> 1) ? tB : tA;
-                    const bool ok = r < R && t < cnt && c0 + t <= lim0 + r / G;
+                    const bool ok = r < R && t < cnt && c0 + t <= lim0 + q0 + r / G;
                     sS[r * FA_SROW + t] = ok ? sacc[nt][i] : NEG_INF;
                 }
             }
@@ -617,7 +641,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 const int d = w * DW + mt * 16 + g + (i >> 1) * 8;
                 const int r = nt * 8 + 2 * tq + (i & 1);
                 if (r < R) {
-                    state[(((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d] =
+                    state[(((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d] =
                         acc[mt][nt][i];
                 }
             }
@@ -625,23 +649,24 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     }
     if (tid < R) {
         const int r = tid;
-        float* st = state + (((u64)split * W + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+        float* st = state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
         st[0] = sM[r];
         st[1] = sL[r];
     }
 }
 
-// Fast decode accumulate (see above). `nt` = ceil(group * width / 8) in 1..=4; head_dim in
-// {64, 128, 256}; any other combination is a no-op (the launcher never sends one).
+// Fast accumulate (see above). `qt` queries per tile (grid z = ceil(width / qt); qt = width for
+// decode and verification), `nt` = ceil(group * qt / 8) in 1..=4; head_dim in {64, 128, 256};
+// any other combination is a no-op (the launcher never sends one).
 extern "C" __global__ void attn_accumulate_q8q4(
     const float* q, const u8* pool, float* state, AttnGeo geo, u64 span_offset, int span_first, int span_count,
-    int n_splits, int vec, int nt) {
+    int n_splits, int vec, int nt, int qt) {
     extern __shared__ __align__(16) u8 fa_smem[];
     const int sel = nt * 1000 + geo.head_dim;
     switch (sel) {
 #define FA_CASE(N, DD)                                                                                          \
     case N * 1000 + DD:                                                                                         \
-        fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, fa_smem); \
+        fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, qt, fa_smem); \
         break;
         FA_CASE(1, 64) FA_CASE(2, 64) FA_CASE(3, 64) FA_CASE(4, 64)
         FA_CASE(1, 128) FA_CASE(2, 128) FA_CASE(3, 128) FA_CASE(4, 128)
