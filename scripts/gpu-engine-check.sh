@@ -16,6 +16,7 @@ ok() { echo "ok   $1"; pass=$((pass + 1)); }
 bad() { echo "FAIL $1"; fail=$((fail + 1)); }
 tokens_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens"])' "$1" 2>/dev/null; }
 PROMPT="5,17,33,2,90,11,7,63,100,21,3,44,8,19"
+LONG_PROMPT=$(python3 -c 'print(",".join(str((i*53+7)%180+1) for i in range(100)))')
 for m in fixtures/tiny-gqa-f32 fixtures/tiny-mha-tied-bf16 fixtures/tiny-bare-text models/kvstream-demo-tiny; do
   n=$(basename "$m")
   common=(--model "$m" --prompt-tokens "$PROMPT" --n-predict 64 --ignore-eos --json --kv-page-tokens 16)
@@ -31,6 +32,17 @@ for m in fixtures/tiny-gqa-f32 fixtures/tiny-mha-tied-bf16 fixtures/tiny-bare-te
   [ "$(tokens_of "$OUT/$n-cuda-stream.json")" = "$ref" ] && ok "$n: cuda tiny streaming arena == resident" || bad "$n: cuda streaming != resident"
   [ "$(tokens_of "$OUT/$n-cuda-mtp.json")" = "$ref" ] && ok "$n: cuda MTP draft 3 == plain greedy" || bad "$n: cuda MTP != plain"
   [ "$(tokens_of "$OUT/$n-cuda-stream-q.json")" = "$(tokens_of "$OUT/$n-cpu-stream-q.json")" ] && ok "$n: q8_0/q4_0 streaming cuda == cpu" || bad "$n: q8_0/q4_0 streaming cuda != cpu"
+  # 64-token pages with Q8_0 K / Q4_0 V: the tensor-core attention kernel for prefill (a
+  # 100-token prompt: query tiles over grid z) and decode; MTP verification on it too.
+  long=(--model "$m" --prompt-tokens "$LONG_PROMPT" --n-predict 32 --ignore-eos --json --kv-page-tokens 64
+    --cache-type-k q8_0 --cache-type-v q4_0)
+  for be in cpu cuda; do
+    "$B" generate --backend $be "${long[@]}" >"$OUT/$n-$be-tc.json" 2>>"$OUT/err.log"
+  done
+  "$B" generate --backend cuda "${long[@]}" --spec-type draft-mtp --spec-draft-n-max 3 >"$OUT/$n-cuda-tc-mtp.json" 2>>"$OUT/err.log"
+  tc=$(tokens_of "$OUT/$n-cpu-tc.json")
+  [ -n "$tc" ] && [ "$(tokens_of "$OUT/$n-cuda-tc.json")" = "$tc" ] && ok "$n: q8_0/q4_0 64-token pages (tensor-core prefill) cuda == cpu" || bad "$n: tensor-core prefill cuda != cpu"
+  [ -n "$tc" ] && [ "$(tokens_of "$OUT/$n-cuda-tc-mtp.json")" = "$(tokens_of "$OUT/$n-cuda-tc.json")" ] && ok "$n: tensor-core MTP draft 3 == plain" || bad "$n: tensor-core MTP != plain"
   ids=$(python3 -c 'print(",".join(str((i*37+11)%200) for i in range(48)))')
   for be in cpu cuda; do
     "$B" logits --backend $be --model "$m" --tokens "$ids" --mtp --out "$OUT/$n-$be-logits.safetensors" 2>>"$OUT/err.log"
