@@ -147,7 +147,7 @@ impl LinearOps for CudaBackend {
         if t <= GEMV_MAX_T {
             let t32 = t as i32;
             let too_big = || OpError::shape("matmul", format!("{n} output rows is too many"));
-            match gemv_plan(w.dtype, dt as usize, t, n, k, wp).ok_or_else(too_big)? {
+            match gemv_plan(w.dtype, dt as usize, t, n, k, wp, self.sm_count).ok_or_else(too_big)? {
                 GemvPlan::Vector {
                     name,
                     split,

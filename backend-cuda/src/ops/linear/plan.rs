@@ -63,16 +63,50 @@ pub(crate) enum GemvPlan {
     Scalar { blocks: u32 },
 }
 
-/// Warps per row team for an `[n, k]` weight of `d`: the smallest power of two (≤ 4) that gives
-/// about [`TARGET_WARPS`] warps, while every lane keeps at least two chunks per row.
-pub(crate) fn gemv_split(d: WeightDType, n: usize, k: usize) -> u32 {
+/// Warps per row team for an `[n, k]` weight of `d` on a device of `sms` multiprocessors (0:
+/// unknown): the smallest power of two (≤ 4) that gives about [`TARGET_WARPS`] warps, while every
+/// lane keeps at least two chunks per row; then the **balance rule**: when that leaves one warp
+/// per row team, a larger split is taken if it evens out the blocks per SM (the busiest SM's
+/// share, `ceil(blocks / sms) / split` in units of a whole-K block, at least 4% better per
+/// doubling) — 17408 × 5120 gives 544 blocks of 32 rows, 4.1 per SM of an H200, so one SM in
+/// eight holds a fifth block while the others idle. `KVSTREAM_GEMV_SPLIT` (1, 2 or 4) overrides
+/// (A/B measurements). Never depends on T.
+pub(crate) fn gemv_split(d: WeightDType, n: usize, k: usize, sms: usize) -> u32 {
     let teams = n.div_ceil(GV_R);
     let chunks = k / chunk_elems(d);
+    let allowed = |s: usize| s <= GV_WARPS && chunks >= 32 * 2 * s;
+    if let Some(forced) = split_override().filter(|&f| allowed(f)) {
+        return forced as u32;
+    }
     let mut s = 1usize;
-    while s < GV_WARPS && teams * s < TARGET_WARPS && chunks >= 32 * 2 * (2 * s) {
+    while s < GV_WARPS && teams * s < TARGET_WARPS && allowed(2 * s) {
         s *= 2;
     }
+    if s == 1 && sms > 0 {
+        let busiest = |s: usize| {
+            let blocks = n.div_ceil(ROWS_PER_TEAM[0] * (GV_WARPS / s));
+            blocks.div_ceil(sms) as f64 / s as f64 * (1.0 + 0.04 * s.ilog2() as f64)
+        };
+        let mut best = (busiest(1), 1);
+        for cand in [2, 4] {
+            if allowed(cand) && busiest(cand) < best.0 {
+                best = (busiest(cand), cand);
+            }
+        }
+        s = best.1;
+    }
     s as u32
+}
+
+/// `KVSTREAM_GEMV_SPLIT`: a forced split (1, 2 or 4), read once.
+fn split_override() -> Option<usize> {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("KVSTREAM_GEMV_SPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v: &usize| matches!(v, 1 | 2 | 4))
+    })
 }
 
 /// The GEMV plan for `t` rows (1..=8) of activations against `[n, k]` of `d` at device address
@@ -84,13 +118,14 @@ pub(crate) fn gemv_plan(
     n: usize,
     k: usize,
     w_ptr: u64,
+    sms: usize,
 ) -> Option<GemvPlan> {
     let vector = k % chunk_elems(d) == 0 && w_ptr % 16 == 0;
     if !vector {
         let blocks = u32::try_from(n.div_ceil(SCALAR_WARPS)).ok()?;
         return Some(GemvPlan::Scalar { blocks });
     }
-    let split = gemv_split(d, n, k);
+    let split = gemv_split(d, n, k, sms);
     let width = match t {
         0 | 1 => 0,
         2..=4 => 1,
@@ -132,7 +167,7 @@ mod tests {
         for d in ALL {
             let code = dtype_code(d) as usize;
             for t in 1..=8 {
-                let Some(GemvPlan::Vector { name, .. }) = gemv_plan(d, code, t, 64, 1024, 256)
+                let Some(GemvPlan::Vector { name, .. }) = gemv_plan(d, code, t, 64, 1024, 256, 132)
                 else {
                     panic!("{d}: expected the vector kernel");
                 };
@@ -154,7 +189,7 @@ mod tests {
     fn q4_rows_of_whole_trips_take_the_coalesced_instances() {
         let d = WeightDType::Q4G128;
         let code = dtype_code(d) as usize;
-        let name = |t, k| match gemv_plan(d, code, t, 64, k, 0) {
+        let name = |t, k| match gemv_plan(d, code, t, 64, k, 0, 132) {
             Some(GemvPlan::Vector { name, .. }) => name,
             other => panic!("{other:?}"),
         };
@@ -171,7 +206,7 @@ mod tests {
 
     #[test]
     fn split_ignores_t_and_blocks_cover_every_row() {
-        for d in ALL {
+        for (d, sms) in ALL.into_iter().flat_map(|d| [(d, 0), (d, 132), (d, 70)]) {
             let code = dtype_code(d) as usize;
             for &(n, k) in &[
                 (5120, 17408),
@@ -184,9 +219,9 @@ mod tests {
                     Some(GemvPlan::Vector { split, blocks, .. }) => (split, blocks),
                     other => panic!("{other:?}"),
                 };
-                let (split1, _) = strip(gemv_plan(d, code, 1, n, k, 0));
+                let (split1, _) = strip(gemv_plan(d, code, 1, n, k, 0, sms));
                 for t in 1..=8 {
-                    let (split, blocks) = strip(gemv_plan(d, code, t, n, k, 0));
+                    let (split, blocks) = strip(gemv_plan(d, code, t, n, k, 0, sms));
                     assert_eq!(split, split1, "{d} [{n}x{k}] t={t}: split depends on T");
                     let width = usize::from(t > 1) + usize::from(t > 4);
                     let per_block = ROWS_PER_TEAM[width] * GV_WARPS / split as usize;
@@ -199,36 +234,51 @@ mod tests {
 
     #[test]
     fn split_grows_for_few_long_rows_only() {
-        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120), 1);
-        assert_eq!(gemv_split(WeightDType::Bf16, 248_320, 5120), 1);
-        assert_eq!(gemv_split(WeightDType::Bf16, 5120, 17408), 2);
-        assert_eq!(gemv_split(WeightDType::Bf16, 7, 4096), 4);
+        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120, 0), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 248_320, 5120, 0), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 5120, 17408, 0), 2);
+        assert_eq!(gemv_split(WeightDType::Bf16, 7, 4096, 0), 4);
         // Too few chunks per lane: stays 1.
-        assert_eq!(gemv_split(WeightDType::Bf16, 7, 256), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 7, 256, 0), 1);
         for d in ALL {
-            let s = gemv_split(d, 33, 1 << 16);
+            let s = gemv_split(d, 33, 1 << 16, 0);
             assert!(s.is_power_of_two() && s as usize <= GV_WARPS, "{d}: {s}");
         }
+    }
+
+    #[test]
+    fn balance_rule_evens_out_blocks_per_sm() {
+        // 17408 x 5120 bf16: 544 blocks of 32 rows over 132 SMs (4.1 each) -> split 4 (2,176
+        // blocks of 8 rows, 16.5 per SM: the busiest SM holds 3% more than the average).
+        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120, 132), 4);
+        // Well balanced or already split: unchanged.
+        assert_eq!(gemv_split(WeightDType::Bf16, 248_320, 5120, 132), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 12288, 5120, 132), 1);
+        assert_eq!(gemv_split(WeightDType::Bf16, 5120, 17408, 132), 2);
+        // Too few chunks per lane for a split: unchanged.
+        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 256, 132), 1);
+        // Unknown SM count: the warp-count rule alone.
+        assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120, 0), 1);
     }
 
     #[test]
     fn unaligned_or_ragged_rows_use_the_scalar_kernel() {
         let code = dtype_code(WeightDType::Bf16) as usize;
         assert_eq!(
-            gemv_plan(WeightDType::Bf16, code, 1, 70, 200 + 4, 0),
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200 + 4, 0, 132),
             Some(GemvPlan::Scalar { blocks: 9 })
         );
         assert!(matches!(
-            gemv_plan(WeightDType::Bf16, code, 1, 70, 200, 8),
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200, 8, 132),
             Some(GemvPlan::Scalar { .. })
         ));
         let f8 = dtype_code(WeightDType::F8E4M3) as usize;
         assert!(matches!(
-            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 200, 0),
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 200, 0, 132),
             Some(GemvPlan::Scalar { .. })
         ));
         assert!(matches!(
-            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 208, 0),
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 208, 0, 132),
             Some(GemvPlan::Vector { .. })
         ));
     }
