@@ -80,14 +80,7 @@ pub(crate) fn run(
     let prep = be.func("gdn_chunk_prep")?;
     let scan = be.func("gdn_chunk_scan")?;
     let (qn, kn, vp, bp, gp) = (p.qn.ptr(), p.kn.ptr(), p.v.ptr(), p.beta.ptr(), p.g.ptr());
-    let (wp, up, mp, gcp, sp, op) = (
-        w.ptr(),
-        u.ptr(),
-        m.ptr(),
-        gc.ptr(),
-        state.ptr(),
-        out.ptr(),
-    );
+    let (wp, up, mp, gcp, sp, op) = (w.ptr(), u.ptr(), m.ptr(), gc.ptr(), state.ptr(), out.ptr());
     let (hk, hv, kd, vd, c32) = (
         s.k_heads as i32,
         s.v_heads as i32,
@@ -108,9 +101,8 @@ pub(crate) fn run(
             shared_mem_bytes: 0,
         };
         be.launch("gdn_chunk_prep", prep, cfg, &mut a)?;
-        let mut a = args![
-            &qn, &kn, &wp, &up, &mp, &gcp, &sp, &op, &t064, &tn64, &hk, &hv, &kd, &vd, &c32
-        ];
+        let mut a =
+            args![&qn, &kn, &wp, &up, &mp, &gcp, &sp, &op, &t064, &tn64, &hk, &hv, &kd, &vd, &c32];
         let cfg = LaunchConfig {
             grid_dim: (s.v_heads as u32, s.v_dim.div_ceil(32) as u32, 1),
             block_dim: (256, 1, 1),
