@@ -7,9 +7,12 @@
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
 //!   requests;
 //! * streamed attention decode (widths 1 and 4) over 64 Ki tokens of Q8_0 K / Q4_0 V in the 27B
-//!   geometry (4 KV heads × 256, 24 query heads, 256-token pages).
+//!   geometry (4 KV heads × 256, 24 query heads, 256-token pages);
+//! * the gated delta rule at T = 512 and 4096 in the 27B GDN geometry (16 k heads, 48 v heads,
+//!   128 × 128): chunked (WY) kernels against the token recurrence, with their output difference.
 //!
 //! Usage: `cuda_bench [OUT_DIR]` (default `$OUT` or `.`); writes `cuda_bench.txt` there.
+//! `KVSTREAM_BENCH_ONLY_GDN=1` runs only the gated delta rule section.
 
 use kvstream_backend_cuda::CudaBackend;
 use kvstream_memory_contracts::attention::{
@@ -20,7 +23,9 @@ use kvstream_memory_contracts::host::{HostBytes, HostRange, PinnedHost};
 use kvstream_memory_contracts::kv::format::{encode, KvType};
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::kv::span::{Span, SpanPlan, SpanSource};
-use kvstream_memory_contracts::ops::{LinearOps, TensorOps, WeightData};
+use kvstream_memory_contracts::ops::{
+    DeltaMode, DeltaShape, LinearOps, RecurrentOps, TensorOps, WeightData,
+};
 use kvstream_memory_contracts::transfer::{CopyEngine, DeviceMemory};
 use kvstream_memory_contracts::{quant_layout, quantize};
 use rand::{Rng, SeedableRng};
@@ -101,6 +106,74 @@ fn synthetic_blob(
     Ok(blob)
 }
 
+/// The gated delta rule in the 27B GDN geometry: chunked kernels vs the token recurrence.
+fn bench_gdn(
+    b: &CudaBackend,
+    report: &mut String,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<(), Box<dyn Error>> {
+    let mut r = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    };
+    for tokens in [512usize, 4096] {
+        let s = DeltaShape {
+            tokens,
+            k_heads: 16,
+            v_heads: 48,
+            k_dim: 128,
+            v_dim: 128,
+        };
+        let qk = tokens * s.k_heads * s.k_dim;
+        let q = b.tensor_from_f32(&r(qk, -1.0, 1.0), &[tokens, s.k_heads, s.k_dim])?;
+        let k = b.tensor_from_f32(&r(qk, -1.0, 1.0), &[tokens, s.k_heads, s.k_dim])?;
+        let v = b.tensor_from_f32(
+            &r(tokens * s.v_heads * s.v_dim, -1.0, 1.0),
+            &[tokens, s.v_heads, s.v_dim],
+        )?;
+        let a = b.tensor_from_f32(&r(tokens * s.v_heads, -2.0, 2.0), &[tokens, s.v_heads])?;
+        let bb = b.tensor_from_f32(&r(tokens * s.v_heads, -2.0, 2.0), &[tokens, s.v_heads])?;
+        let f32w = |vals: Vec<f32>| {
+            let bytes = quantize(WeightDType::F32, &vals, &[vals.len()])?;
+            b.load_weight(
+                "w",
+                WeightDType::F32,
+                &[vals.len()],
+                WeightData::from_vec(bytes),
+            )
+        };
+        let a_log = f32w(r(s.v_heads, -3.0, -1.0))?;
+        let dt_bias = f32w(r(s.v_heads, -1.0, 1.0))?;
+        let st0 = r(s.v_heads * s.k_dim * s.v_dim, -0.1, 0.1);
+        let mut outs = Vec::new();
+        let mut secs = Vec::new();
+        for mode in [DeltaMode::Chunked { chunk: 64 }, DeltaMode::Recurrent] {
+            let mut st = b.tensor_from_f32(&st0, &[s.v_heads, s.k_dim, s.v_dim])?;
+            let o = b.gated_delta_rule(&s, &q, &k, &v, &a, &bb, &a_log, &dt_bias, &mut st, mode)?;
+            outs.push(b.tensor_to_f32(&o)?);
+            secs.push(time(b, 5, || {
+                b.gated_delta_rule(&s, &q, &k, &v, &a, &bb, &a_log, &dt_bias, &mut st, mode)?;
+                Ok(())
+            })?);
+        }
+        let rms = (outs[1].iter().map(|x| x * x).sum::<f32>() / outs[1].len() as f32).sqrt();
+        let diff = outs[0]
+            .iter()
+            .zip(&outs[1])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        out!(
+            report,
+            "gated_delta_rule 27B geometry T={tokens}: chunked {:.3} ms, per-token {:.3} ms \
+             ({:.1}x); max |diff| {diff:.2e} = {:.2e} of output rms",
+            secs[0] * 1e3,
+            secs[1] * 1e3,
+            secs[1] / secs[0],
+            diff / rms
+        )?;
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let out_dir = std::env::args()
         .nth(1)
@@ -114,6 +187,13 @@ fn main() -> Result<(), Box<dyn Error>> {
         kvstream_memory_contracts::Backend::capabilities(&b).device
     )?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    bench_gdn(&b, &mut report, &mut rng)?;
+    if std::env::var_os("KVSTREAM_BENCH_ONLY_GDN").is_some() {
+        let path = std::path::Path::new(&out_dir).join("cuda_bench.txt");
+        std::fs::write(&path, &report)?;
+        eprintln!("wrote {}", path.display());
+        return Ok(());
+    }
 
     // HBM read roofline.
     let hbm_bytes = 4usize << 30;

@@ -22,6 +22,7 @@ mod memory;
 mod ops;
 mod types;
 
+pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};

@@ -543,15 +543,21 @@ fn conv1d_and_gated_delta_rule_match_cpu() {
         let (g, cpu) = p.get(&sc, &sg);
         assert_eq!(g, cpu, "conv state");
     }
-    // Gated delta rule: recurrent and chunked CPU modes against the GPU.
-    let s = DeltaShape {
-        tokens: 9,
-        k_heads: 2,
-        v_heads: 4,
-        k_dim: 64,
-        v_dim: 48,
-    };
-    for mode in [DeltaMode::Recurrent, DeltaMode::Chunked { chunk: 4 }] {
+    // Gated delta rule: recurrent and chunked CPU modes against the GPU; 70 tokens reach the
+    // chunked GPU kernels (so the sanitizer runs of this suite cover them; gdn_chunked.rs has the
+    // thorough tests).
+    for (tokens, mode) in [
+        (9, DeltaMode::Recurrent),
+        (9, DeltaMode::Chunked { chunk: 4 }),
+        (70, DeltaMode::Chunked { chunk: 64 }),
+    ] {
+        let s = DeltaShape {
+            tokens,
+            k_heads: 2,
+            v_heads: 4,
+            k_dim: 64,
+            v_dim: 48,
+        };
         let q = rnd(&mut rng, s.tokens * s.k_heads * s.k_dim, 1.0);
         let kk = rnd(&mut rng, s.tokens * s.k_heads * s.k_dim, 1.0);
         let v = rnd(&mut rng, s.tokens * s.v_heads * s.v_dim, 1.0);

@@ -100,6 +100,8 @@ pub const MODULES: &[KernelModule] = &[
             "gdn_qk_norm",
             "gdn_gates",
             "gdn_recurrent",
+            "gdn_chunk_prep",
+            "gdn_chunk_scan",
         ],
     },
     KernelModule {
@@ -129,6 +131,11 @@ pub mod launch {
     pub const CONV_MAX_K: usize = 8;
     /// Largest `k_dim` of the gated delta rule kernel (8 slices × 32 registers).
     pub const GDN_MAX_K_DIM: usize = 256;
+    /// Largest chunk of the chunked gated delta rule kernels (`GDN_C` in recurrent.cu).
+    pub const GDN_CHUNK: usize = 64;
+    /// Largest `k_dim` of the chunked kernels (`GDN_CK_MAX`: the state slice `[k_dim, 32]` lives in
+    /// shared memory); larger heads use the token recurrence.
+    pub const GDN_CHUNK_MAX_K_DIM: usize = 128;
     /// Granule of attention split ownership: the evaluation's tokens form 64-token chunks dealt
     /// round robin over the splits (chunk `c` belongs to split `c % n_splits`); a multiple of the
     /// fast kernel's chunk and of every generic unit (`ATT_CHUNK` in attention.cu).

@@ -2,8 +2,10 @@
 //!
 //! * [`tensor`]: `TensorOps`.  * [`linear`]: `LinearOps` (GEMV for ≤ 8 rows, tiled GEMM above).
 //! * [`pointwise`]: `NormOps`, `PositionOps`, `ActivationOps`, `SamplingOps`.
-//! * [`recurrent`]: `RecurrentOps`.  * [`kv`]: `KvOps`.
+//! * [`recurrent`]: `RecurrentOps` (long prefills through [`gdn_chunk`]).  * [`kv`]: `KvOps`.
 
+mod gdn_chunk;
+pub use gdn_chunk::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 mod kv;
 pub(crate) use kv::kv_code;
 mod linear;

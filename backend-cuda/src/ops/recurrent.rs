@@ -1,8 +1,12 @@
 //! `RecurrentOps`: causal conv1d with state and the gated delta rule (f32 state).
 //!
-//! Both [`DeltaMode`]s run the token recurrence on the device (equal to the chunked form in exact
-//! arithmetic; a chunked WY kernel for long prefills is future work).
+//! `gated_delta_rule` normalises q/k (`gdn_qk_norm`) and computes β and g (`gdn_gates`), then runs
+//! either the token recurrence (`gdn_recurrent`: `DeltaMode::Recurrent`, short calls, k_dim > 128,
+//! or `KVSTREAM_GDN=recurrent`) or, for `DeltaMode::Chunked` calls of at least
+//! [`GDN_CHUNK_MIN_TOKENS`](super::gdn_chunk::GDN_CHUNK_MIN_TOKENS) tokens, the chunked WY form of
+//! [`super::gdn_chunk`] (chunks of min(chunk, 64) tokens). The two are equal in exact arithmetic.
 
+use super::gdn_chunk::{self, Prepared};
 use crate::launch::{args, grid1d};
 use crate::types::elementwise_dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
@@ -172,7 +176,16 @@ impl RecurrentOps for CudaBackend {
             let mut ar = args![&ap, &bp, &alp, &dbp, &dta, &dtb, &betap, &gp, &t64, &hv];
             self.launch("gdn_gates", f, grid1d(s.tokens * s.v_heads, 256), &mut ar)?;
         }
-        {
+        if let Some(chunk) = gdn_chunk::chunk_for(&s, mode) {
+            let p = Prepared {
+                qn: &qn,
+                kn: &kn,
+                v,
+                beta: &beta,
+                g: &g,
+            };
+            gdn_chunk::run(self, &s, &p, state, &out, chunk)?;
+        } else {
             let f = self.func("gdn_recurrent")?;
             let (qnp, knp, vp, betap, gp, sp, op_, t64, hk, hv, kd, vd) = (
                 qn.ptr(),
