@@ -11,17 +11,21 @@
 //!   allocation. Host memory is page-locked by registration (cached, not write-combined).
 //! * Streams: one compute stream, one copy stream; fences are CUDA events. cudarc's per-slice
 //!   event tracking is disabled: ordering is ours.
+//! * Prefill GEMM (more than 8 rows): cuBLAS on tensor cores with bf16 operands when libcublas
+//!   loads (lazily, see [`PrefillGemm`]), else the SIMT kernel; decode GEMV is always our own.
 //! * Streamed attention splits the token range into a fixed number of token-index-owned splits
 //!   per evaluation and combines them once in `attn_finish` (streamed == resident bit for bit).
 
 mod attention;
 mod bench;
+mod blas;
 pub mod compile;
 mod launch;
 mod memory;
 mod ops;
 mod types;
 
+pub use blas::{PrefillGemm, GEMM_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
@@ -54,6 +58,7 @@ pub struct CudaBackend {
     arch: String,
     total_mem: usize,
     pub(crate) max_smem_optin: usize,
+    pub(crate) blas: blas::BlasState,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -138,6 +143,7 @@ impl CudaBackend {
             arch,
             total_mem,
             max_smem_optin,
+            blas: blas::BlasState::from_env(),
         })
     }
 
