@@ -56,6 +56,7 @@ while IFS=$'\t' read -r name exe; do
   echo "test-$name" >> "$BIN/tests.list"
 done < "$BIN/tests.tsv"
 cp "$(cat "$BIN/bench.path")" "$BIN/cuda_bench"
+cp scripts/cublas-path.sh "$BIN/cublas-path.sh"
 strip --strip-debug "$BIN/cuda_bench" 2>/dev/null || true
 rm -f "$BIN/tests.tsv" "$BIN/bench.path"
 
@@ -68,6 +69,8 @@ OUT="${OUT:-/tmp/kvstream-out}"
 mkdir -p "$OUT"
 export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels
 export RUST_BACKTRACE=1
+# libcublas (pip wheel) on LD_LIBRARY_PATH for the cuBLAS prefill GEMM (scripts/cublas-path.sh).
+. "$D/cublas-path.sh"
 fail=0
 nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
 for t in $(cat "$D/tests.list"); do
