@@ -8,8 +8,7 @@
 //! `nvidia-cublas`: `site-packages/nvidia/cu13/lib`; see scripts/gpu-test.sh).
 
 use crate::CudaBackend;
-use cudarc::cublas::sys;
-use cudarc::cublas::CudaBlas;
+use cudarc::cublas::{result, sys};
 use cudarc::driver::CudaStream;
 use kvstream_memory_contracts::error::CapabilityError;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -56,11 +55,40 @@ pub(crate) fn forces_simt(value: Option<&str>) -> bool {
     }
 }
 
+/// A cuBLAS handle bound to the compute stream (kept alive here, and with it the context). Unlike
+/// cudarc's `CudaBlas`, dropping it never panics (a failed `cublasDestroy` is only logged).
+#[derive(Debug)]
+pub(crate) struct BlasHandle {
+    handle: sys::cublasHandle_t,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: a cuBLAS handle may be used from any thread; the backend serialises its use (Mutex).
+unsafe impl Send for BlasHandle {}
+// SAFETY: as above; shared access goes through the Mutex of `BlasState`.
+unsafe impl Sync for BlasHandle {}
+
+impl BlasHandle {
+    pub(crate) fn raw(&self) -> sys::cublasHandle_t {
+        self.handle
+    }
+}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the handle was created by `load` and is destroyed once, here.
+        if let Err(e) = unsafe { result::destroy_handle(self.handle) } {
+            tracing::warn!(error = %e, "cublasDestroy failed");
+        }
+    }
+}
+
 /// The cuBLAS state of one backend.
 #[derive(Debug)]
 pub(crate) struct BlasState {
     /// `None` inside: cuBLAS could not be loaded (decided once).
-    handle: OnceLock<Option<Mutex<CudaBlas>>>,
+    handle: OnceLock<Option<Mutex<BlasHandle>>>,
     force_simt: AtomicBool,
 }
 
@@ -78,7 +106,7 @@ impl BlasState {
 }
 
 /// Opens libcublas, checks its symbols and creates a handle on `stream`.
-fn load(stream: &Arc<CudaStream>) -> Result<CudaBlas, String> {
+fn load(stream: &Arc<CudaStream>) -> Result<BlasHandle, String> {
     // SAFETY: only opens the shared library (dlopen) to see whether it exists.
     if !unsafe { sys::is_culib_present() } {
         return Err(format!(
@@ -95,13 +123,25 @@ fn load(stream: &Arc<CudaStream>) -> Result<CudaBlas, String> {
             return Err(format!("libcublas lacks `{s}`"));
         }
     }
-    CudaBlas::new(Arc::clone(stream)).map_err(|e| format!("cublasCreate failed: {e}"))
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| format!("cannot bind the context: {e:?}"))?;
+    let handle = result::create_handle().map_err(|e| format!("cublasCreate failed: {e}"))?;
+    let blas = BlasHandle {
+        handle,
+        stream: Arc::clone(stream),
+    };
+    // SAFETY: a live handle and the backend's live compute stream (a CUstream is a cudaStream_t).
+    unsafe { result::set_stream(blas.handle, stream.cu_stream() as sys::cudaStream_t) }
+        .map_err(|e| format!("cublasSetStream failed: {e}"))?;
+    Ok(blas)
 }
 
 impl CudaBackend {
     /// The cuBLAS handle (on the compute stream), loaded on first call; `None` if cuBLAS is
     /// unavailable (logged once).
-    pub(crate) fn blas(&self) -> Option<&Mutex<CudaBlas>> {
+    pub(crate) fn blas(&self) -> Option<&Mutex<BlasHandle>> {
         self.blas
             .handle
             .get_or_init(|| {

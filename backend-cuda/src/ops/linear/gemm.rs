@@ -15,11 +15,11 @@
 //! Scratch (x in bf16, the dequantised tile) is stream-ordered temporaries of the compute stream
 //! (freed in stream order when this call returns, like every other temporary of the backend).
 
-use crate::blas::PrefillGemm;
+use crate::blas::{BlasHandle, PrefillGemm};
 use crate::launch::{args, dev, grid1d};
 use crate::types::dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
-use cudarc::cublas::{result as blas, sys, CudaBlas};
+use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::LaunchConfig;
 use kvstream_kernels::launch::GEMM_TILE;
 use kvstream_memory_contracts::backend::WeightDType;
@@ -105,7 +105,7 @@ impl CudaBackend {
 
     fn gemm_cublas(
         &self,
-        b: &Mutex<CudaBlas>,
+        b: &Mutex<BlasHandle>,
         x: &CudaTensor,
         w: &CudaWeight,
         y: &CudaTensor,
@@ -113,7 +113,7 @@ impl CudaBackend {
     ) -> Result<(), OpError> {
         let Gemm { t, n, k, soff } = g;
         let blas = b.lock().unwrap_or_else(|e| e.into_inner());
-        let h = *blas.handle();
+        let h = blas.raw();
         self.ctx.bind_to_thread().map_err(dev("gemm"))?;
         let call = CublasCall { h, t, k, ldc: n };
         match w.dtype {
