@@ -424,6 +424,43 @@ fn matmul_decodes_every_code_exactly() {
     }
 }
 
+/// The cuBLAS path's dequantised tile holds exactly the contract's value rounded once to bf16
+/// (nearest even): with the identity as x (exact in bf16, T = K) each output is one product.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cublas_gemm_decodes_every_code_to_its_bf16_value() {
+    let p = Pair::new();
+    p.gpu
+        .set_prefill_gemm(PrefillGemm::Cublas)
+        .expect("cuBLAS must load on the GPU machine (LD_LIBRARY_PATH, see scripts/gpu-test.sh)");
+    let mut rng = StdRng::seed_from_u64(12);
+    let (n, k) = (24usize, 256usize);
+    let mut eye = vec![0f32; k * k];
+    for i in 0..k {
+        eye[i * k + i] = 1.0;
+    }
+    let xg = p.gpu.tensor_from_f32(&eye, &[k, k]).expect("x");
+    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        let blob = all_codes_blob(dt, n, k, &mut rng);
+        let want = deq(dt, &blob, &[n, k]);
+        let wg = p
+            .gpu
+            .load_weight("w", dt, &[n, k], WeightData::from_vec(blob))
+            .expect("gpu weight");
+        let y = p
+            .gpu
+            .tensor_to_f32(&p.gpu.matmul(&xg, &wg).expect("gemm"))
+            .expect("y");
+        for kk in 0..k {
+            for ni in 0..n {
+                let g = y[kk * n + ni];
+                let w = half::bf16::from_f32(want[ni * k + kk]).to_f32();
+                assert!(g == w, "{dt} cublas: w[{ni}][{kk}]: gpu {g:e} want {w:e}");
+            }
+        }
+    }
+}
+
 /// Row t of a T-row GEMV is bit-identical for every T in 1..=8 (MTP verification relies on it),
 /// for every dtype, on the split-K, plain and scalar paths.
 #[test]
