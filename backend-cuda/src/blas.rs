@@ -90,6 +90,7 @@ pub(crate) struct BlasState {
     /// `None` inside: cuBLAS could not be loaded (decided once).
     handle: OnceLock<Option<Mutex<BlasHandle>>>,
     force_simt: AtomicBool,
+    warned: AtomicBool,
 }
 
 impl BlasState {
@@ -101,6 +102,14 @@ impl BlasState {
         Self {
             handle: OnceLock::new(),
             force_simt: AtomicBool::new(force),
+            warned: AtomicBool::new(false),
+        }
+    }
+
+    /// Logs `msg` as a warning the first time only (per backend).
+    pub(crate) fn warn_once(&self, msg: &str) {
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!("{msg} (further cuBLAS failures are not logged)");
         }
     }
 }
