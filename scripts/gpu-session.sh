@@ -17,6 +17,8 @@ OUT=${OUT:-/tmp/kvstream-session}
 mkdir -p "$OUT"
 export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels
 export RUST_BACKTRACE=1
+# libcublas (pip wheel) on LD_LIBRARY_PATH for the cuBLAS prefill GEMM.
+. scripts/cublas-path.sh
 S="$OUT/summary.txt"
 step() { # name timeout cmd...
   local name=$1 t=$2
@@ -28,12 +30,12 @@ step() { # name timeout cmd...
 }
 nvidia-smi -L >"$OUT/device.txt" 2>&1
 step attention-tests "${T_ATT:-80}" "$D/test-attention" --include-ignored --test-threads=1
-step engine-check "${T_ENGINE:-110}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
+step engine-check "${T_ENGINE:-140}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
 BENCH=("$D/kvstream" bench --backend cuda --synthetic qwen3.8-27b --kv-arena 2240MiB
   --cache-type-k q8_0 --cache-type-v q4_0 --decode-tokens 4 --reps 2 --quiet)
 step bench-bf16 "${T_BF16:-100}" "${BENCH[@]}" --contexts "${CTX_BF16:-8Ki,32Ki,256Ki}" \
   --spec-draft-n-max 0,3 --weights bf16 --out "$OUT/bench-bf16"
-step cuda-bench "${T_BENCH:-50}" env KVSTREAM_BENCH_SKIP_GEMV=1 "$D/cuda_bench" "$OUT"
+step cuda-bench "${T_BENCH:-80}" env KVSTREAM_BENCH_SKIP_GEMV=1 "$D/cuda_bench" "$OUT"
 for w in ${QUANT_FORMATS:-q4_g128 q8_0 fp8_e4m3}; do
   step "bench-$w" "${T_Q:-45}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
     --weights "$w" --out "$OUT/bench-$w"

@@ -3,7 +3,9 @@
 //! * HBM read roofline (vectorised read of 4 GiB) and GEMV GB/s (T = 1 and 4) for bf16 and each
 //!   quantized weight format (q8_0, q4_g128, fp8_e4m3) on the 27B shapes (MLP gate/up, down,
 //!   attention/GDN projections, lm_head), counted in stored bytes (codes + scales) and as a
-//!   percentage of the measured HBM read ceiling; one bf16 and one q4_g128 prefill GEMM;
+//!   percentage of the measured HBM read ceiling;
+//! * prefill GEMM TFLOP/s (bf16, q4_g128; T = 512 and 4096; MLP gate/up and down) on cuBLAS and
+//!   on the SIMT kernel (`KVSTREAM_BENCH_SKIP_GEMM=1` skips);
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
 //!   requests;
 //! * streamed attention decode (widths 1 and 4) over 64 Ki tokens of Q8_0 K / Q4_0 V in the 27B
@@ -14,7 +16,7 @@
 //! Usage: `cuda_bench [OUT_DIR]` (default `$OUT` or `.`); writes `cuda_bench.txt` there.
 //! `KVSTREAM_BENCH_ONLY_GDN=1` runs only the gated delta rule section.
 
-use kvstream_backend_cuda::CudaBackend;
+use kvstream_backend_cuda::{CudaBackend, PrefillGemm};
 use kvstream_memory_contracts::attention::{
     attention_accumulate, attention_begin, attention_finish, AttentionShape,
 };
@@ -174,6 +176,54 @@ fn bench_gdn(
     Ok(())
 }
 
+/// Prefill GEMM TFLOP/s (2·T·N·K per call) on the 27B MLP shapes, bf16 and q4_g128, T = 512 and
+/// 4096, through cuBLAS (when it loads) and the SIMT kernel. `KVSTREAM_BENCH_SKIP_GEMM=1` skips.
+fn prefill_gemm(
+    b: &CudaBackend,
+    report: &mut String,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<(), Box<dyn Error>> {
+    if std::env::var_os("KVSTREAM_BENCH_SKIP_GEMM").is_some() {
+        return Ok(());
+    }
+    let cublas = b.set_prefill_gemm(PrefillGemm::Cublas).is_ok();
+    if !cublas {
+        out!(report, "gemm: cuBLAS unavailable, SIMT only")?;
+    }
+    for (n, k) in [(17408usize, 5120usize), (5120, 17408)] {
+        for dt in [WeightDType::Bf16, WeightDType::Q4G128] {
+            let blob = synthetic_blob(dt, n, k, rng)?;
+            let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
+            for t in [512usize, 4096] {
+                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let xt = b.tensor_from_f32(&x, &[t, k])?;
+                for (path, iters) in [(PrefillGemm::Cublas, 10), (PrefillGemm::Simt, 2)] {
+                    if path == PrefillGemm::Cublas && !cublas {
+                        continue;
+                    }
+                    b.set_prefill_gemm(path)?;
+                    let secs = time(b, iters, || {
+                        b.matmul(&xt, &wt)?;
+                        Ok(())
+                    })?;
+                    out!(
+                        report,
+                        "gemm {:<8} [{n}x{k}] T={t:<4} {:<6}: {:>8.2} ms, {:>6.1} TFLOP/s",
+                        dt.name(),
+                        format!("{path:?}").to_lowercase(),
+                        secs * 1e3,
+                        2.0 * (t * n * k) as f64 / secs / 1e12
+                    )?;
+                }
+            }
+        }
+    }
+    if cublas {
+        b.set_prefill_gemm(PrefillGemm::Cublas)?;
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let out_dir = std::env::args()
         .nth(1)
@@ -238,25 +288,9 @@ fn main() -> Result<(), Box<dyn Error>> {
                     100.0 * gbs / hbm
                 )?;
             }
-            // One prefill GEMM for reference (not on lm_head).
-            if n != 248_320 && matches!(dt, WeightDType::Bf16 | WeightDType::Q4G128) {
-                let t = 512;
-                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                let xt = b.tensor_from_f32(&x, &[t, k])?;
-                let secs = time(&b, 3, || {
-                    b.matmul(&xt, &wt)?;
-                    Ok(())
-                })?;
-                out!(
-                    report,
-                    "gemm {:<8} [{n}x{k}] T={t}: {:.2} ms, {:.1} TFLOP/s",
-                    dt.name(),
-                    secs * 1e3,
-                    2.0 * (t * n * k) as f64 / secs / 1e12
-                )?;
-            }
         }
     }
+    prefill_gemm(&b, &mut report, &mut rng)?;
 
     // H2D from registered host memory.
     let h2d_bytes = 256usize << 20;

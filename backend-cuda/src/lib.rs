@@ -11,17 +11,21 @@
 //!   allocation. Host memory is page-locked by registration (cached, not write-combined).
 //! * Streams: one compute stream, one copy stream; fences are CUDA events. cudarc's per-slice
 //!   event tracking is disabled: ordering is ours.
+//! * Prefill GEMM (more than 8 rows): cuBLAS on tensor cores with bf16 operands when libcublas
+//!   loads (lazily, see [`PrefillGemm`]), else the SIMT kernel; decode GEMV is always our own.
 //! * Streamed attention splits the token range into a fixed number of token-index-owned splits
 //!   per evaluation and combines them once in `attn_finish` (streamed == resident bit for bit).
 
 mod attention;
 mod bench;
+mod blas;
 pub mod compile;
 mod launch;
 mod memory;
 mod ops;
 mod types;
 
+pub use blas::{PrefillGemm, GEMM_ENV};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
@@ -59,6 +63,7 @@ pub struct CudaBackend {
     pub(crate) sm_count: usize,
     /// Blocks of one full wave of the fast attention kernel, by head_dim (cached occupancy).
     pub(crate) attn_wave_blocks: Mutex<HashMap<usize, usize>>,
+    pub(crate) blas: blas::BlasState,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -151,6 +156,7 @@ impl CudaBackend {
             max_smem_optin,
             sm_count,
             attn_wave_blocks: Mutex::new(HashMap::new()),
+            blas: blas::BlasState::from_env(),
         })
     }
 

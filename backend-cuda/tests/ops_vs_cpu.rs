@@ -3,7 +3,7 @@
 
 use half::f16;
 use kvstream_backend_cpu::CpuBackend;
-use kvstream_backend_cuda::CudaBackend;
+use kvstream_backend_cuda::{CudaBackend, PrefillGemm, GEMM_ENV};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
@@ -159,6 +159,8 @@ fn shapes_for(dt: WeightDType) -> Vec<(usize, usize)> {
 #[ignore = "needs a CUDA GPU"]
 fn matmul_gemv_and_gemm_match_cpu_for_every_dtype() {
     let p = Pair::new();
+    // The 1e-4 bound is the SIMT GEMM's (f32 x); the cuBLAS path has its own test below.
+    p.gpu.set_prefill_gemm(PrefillGemm::Simt).expect("simt");
     let mut rng = StdRng::seed_from_u64(1);
     for dt in WeightDType::ALL {
         for (n, k) in shapes_for(dt) {
@@ -198,6 +200,134 @@ fn matmul_gemv_and_gemm_match_cpu_for_every_dtype() {
             }
         }
     }
+}
+
+/// Per-output bound of the cuBLAS prefill GEMM (bf16 operands, f32 accumulation): x and the
+/// dequantised w are each rounded to bf16 (relative error ≤ 2^-9 each, so ≤ 2^-8 + 2^-18 per
+/// product), and the f32 summation adds ≤ K·2^-24 relative; 2^-7 · Σ|x·w| covers both with a
+/// factor ~2 to spare, + 1e-6 for all-tiny rows.
+fn bf16_gemm_bound(scale: f32) -> f32 {
+    scale / 128.0 + 1e-6
+}
+
+/// y[t][n] and Σ_k |x[t][k] · w[n][k]| (w dequantised), both on the CPU.
+fn check_gemm(
+    what: &str,
+    g: &[f32],
+    c: &[f32],
+    x: &[f32],
+    wd: &[f32],
+    t: usize,
+    n: usize,
+    k: usize,
+) {
+    assert_eq!(g.len(), t * n, "{what}: length");
+    let mut worst = 0f32;
+    for ti in 0..t {
+        let xr = &x[ti * k..(ti + 1) * k];
+        for ni in 0..n {
+            let wr = &wd[ni * k..(ni + 1) * k];
+            let scale: f32 = xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum();
+            let (gv, cv) = (g[ti * n + ni], c[ti * n + ni]);
+            let err = (gv - cv).abs();
+            assert!(
+                gv.is_finite() && err <= bf16_gemm_bound(scale),
+                "{what}: ({ti}, {ni}): gpu {gv} cpu {cv} (err {err}, scale {scale})"
+            );
+            if scale > 0.0 {
+                worst = worst.max(err / scale);
+            }
+        }
+    }
+    assert!(c.iter().any(|v| *v != 0.0), "{what}: all-zero reference");
+    eprintln!("{what}: max err / sum|wx| {worst:.2e}");
+}
+
+/// The cuBLAS prefill GEMM (T > 8) against the CPU backend for every weight dtype, within the bf16
+/// bound above; N = 4100 spans two dequantised tiles (4096 rows each) for f16 and the quantized
+/// formats. Requires libcublas on the loader path (scripts/gpu-test.sh sets LD_LIBRARY_PATH).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cublas_prefill_gemm_matches_cpu_for_every_dtype() {
+    let p = Pair::new();
+    p.gpu
+        .set_prefill_gemm(PrefillGemm::Cublas)
+        .expect("cuBLAS must load on the GPU machine (LD_LIBRARY_PATH, see scripts/gpu-test.sh)");
+    let mut rng = StdRng::seed_from_u64(21);
+    for dt in WeightDType::ALL {
+        for k in [128usize, 640] {
+            for n in [96usize, 4100] {
+                let w = heavy(&mut rng, n * k, 0.5);
+                let bytes = weight_bytes(&w, &[n, k], dt);
+                let wd = deq(dt, &bytes, &[n, k]);
+                let (wc, wg) = p.w(&w, &[n, k], dt);
+                for t in [9usize, 33, 200] {
+                    let x = rnd(&mut rng, t * k, 1.0);
+                    let (xc, xg) = p.t(&x, &[t, k]);
+                    let yc = p.cpu.matmul(&xc, &wc).expect("cpu matmul");
+                    let yg = p.gpu.matmul(&xg, &wg).expect("gpu matmul");
+                    let (g, c) = p.get(&yc, &yg);
+                    let what = format!("cublas gemm {dt} t={t} n={n} k={k}");
+                    check_gemm(&what, &g, &c, &x, &wd, t, n, k);
+                }
+            }
+        }
+    }
+}
+
+/// `set_prefill_gemm` really switches kernels: SIMT (what `KVSTREAM_GEMM=simt` selects) meets the
+/// f32 bound 1e-4 · Σ|x·w| on bf16 weights, cuBLAS differs from it in some bits yet meets the bf16
+/// bound, and SIMT again repeats its first result bit for bit. A backend created with
+/// `KVSTREAM_GEMM=simt` starts on SIMT.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_gemm_switch_selects_the_kernel() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(22);
+    let (t, n, k) = (33usize, 96usize, 640usize);
+    let dt = WeightDType::Bf16;
+    let w = heavy(&mut rng, n * k, 0.5);
+    let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
+    let (wc, wg) = p.w(&w, &[n, k], dt);
+    let x = rnd(&mut rng, t * k, 1.0);
+    let (xc, xg) = p.t(&x, &[t, k]);
+    let yc = p.cpu.matmul(&xc, &wc).expect("cpu matmul");
+    let run = |path: PrefillGemm| {
+        p.gpu.set_prefill_gemm(path).expect("path");
+        assert_eq!(p.gpu.prefill_gemm(), path);
+        let yg = p.gpu.matmul(&xg, &wg).expect("gpu matmul");
+        p.get(&yc, &yg)
+    };
+    let (simt, c) = run(PrefillGemm::Simt);
+    for (i, (g, r)) in simt.iter().zip(&c).enumerate() {
+        let (ti, ni) = (i / n, i % n);
+        let scale: f32 = (0..k)
+            .map(|kk| (x[ti * k + kk] * wd[ni * k + kk]).abs())
+            .sum();
+        assert!(
+            (g - r).abs() <= 1e-4 * scale,
+            "simt ({ti}, {ni}): {g} vs {r}"
+        );
+    }
+    let (cublas, _) = run(PrefillGemm::Cublas);
+    check_gemm("switch cublas", &cublas, &c, &x, &wd, t, n, k);
+    assert!(
+        simt.iter()
+            .zip(&cublas)
+            .any(|(a, b)| a.to_bits() != b.to_bits()),
+        "cuBLAS and SIMT gave identical bits: the switch did not change the kernel"
+    );
+    let (again, _) = run(PrefillGemm::Simt);
+    assert!(
+        simt.iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "SIMT is not repeatable"
+    );
+    std::env::set_var(GEMM_ENV, "simt");
+    let forced = gpu();
+    std::env::remove_var(GEMM_ENV);
+    assert_eq!(forced.prefill_gemm(), PrefillGemm::Simt);
 }
 
 /// Raw blobs covering every code of each quantized format (fp8: every non-NaN byte, incl.
@@ -248,6 +378,8 @@ fn all_codes_blob(dt: WeightDType, n: usize, k: usize, rng: &mut StdRng) -> Vec<
 #[ignore = "needs a CUDA GPU"]
 fn matmul_decodes_every_code_exactly() {
     let p = Pair::new();
+    // Exactness is the SIMT GEMM's (the cuBLAS path rounds weights to bf16).
+    p.gpu.set_prefill_gemm(PrefillGemm::Simt).expect("simt");
     let mut rng = StdRng::seed_from_u64(11);
     let n = 24usize;
     // K = 1024 also covers the coalesced-x q4 instances (K % 1024 == 0).
@@ -296,6 +428,43 @@ fn matmul_decodes_every_code_exactly() {
             .expect("y");
         let rows: Vec<usize> = (0..k).collect();
         check(&y, &rows, "gemm");
+    }
+}
+
+/// The cuBLAS path's dequantised tile holds exactly the contract's value rounded once to bf16
+/// (nearest even): with the identity as x (exact in bf16, T = K) each output is one product.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cublas_gemm_decodes_every_code_to_its_bf16_value() {
+    let p = Pair::new();
+    p.gpu
+        .set_prefill_gemm(PrefillGemm::Cublas)
+        .expect("cuBLAS must load on the GPU machine (LD_LIBRARY_PATH, see scripts/gpu-test.sh)");
+    let mut rng = StdRng::seed_from_u64(12);
+    let (n, k) = (24usize, 256usize);
+    let mut eye = vec![0f32; k * k];
+    for i in 0..k {
+        eye[i * k + i] = 1.0;
+    }
+    let xg = p.gpu.tensor_from_f32(&eye, &[k, k]).expect("x");
+    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        let blob = all_codes_blob(dt, n, k, &mut rng);
+        let want = deq(dt, &blob, &[n, k]);
+        let wg = p
+            .gpu
+            .load_weight("w", dt, &[n, k], WeightData::from_vec(blob))
+            .expect("gpu weight");
+        let y = p
+            .gpu
+            .tensor_to_f32(&p.gpu.matmul(&xg, &wg).expect("gemm"))
+            .expect("y");
+        for kk in 0..k {
+            for ni in 0..n {
+                let g = y[kk * n + ni];
+                let w = half::bf16::from_f32(want[ni * k + kk]).to_f32();
+                assert!(g == w, "{dt} cublas: w[{ni}][{kk}]: gpu {g:e} want {w:e}");
+            }
+        }
     }
 }
 

@@ -89,6 +89,8 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_f8e4m3_t8",
             "gemv_scalar",
             "gemm_f32out",
+            "f32_to_bf16_rows",
+            "dequant_rows_bf16",
             "embedding_rows_q",
         ],
     },

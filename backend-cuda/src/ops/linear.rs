@@ -1,18 +1,19 @@
-//! `LinearOps`: weight upload, embedding gather and matmul (GEMV for decode, tiled GEMM for
-//! prefill; own kernels reading f32/f16/bf16 and the quantized q8_0 / q4_g128 / fp8_e4m3 layouts
+//! `LinearOps`: weight upload, embedding gather and matmul (GEMV for decode, own kernels; GEMM for
+//! prefill: cuBLAS on tensor cores or the SIMT fallback, see [`gemm`]; own kernels reading f32/f16/bf16 and the quantized q8_0 / q4_g128 / fp8_e4m3 layouts
 //! of `memory_contracts::weight_format`, dequantised in registers, f32 accumulation).
 //!
 //! The GEMV (≤ 8 rows) reads every weight byte once for all rows, streaming 16-byte chunks through
 //! a per-warp cp.async ring in shared memory; row t of its result is bit-identical for every T in
 //! 1..=8 (see [`plan`] and linear.cu).
 
+mod gemm;
 mod plan;
 
 use crate::launch::args;
 use crate::types::dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::LaunchConfig;
-use kvstream_kernels::launch::{GEMM_TILE, GEMV_MAX_T};
+use kvstream_kernels::launch::GEMV_MAX_T;
 use kvstream_memory_contracts::backend::{DeviceTensor, WeightDType};
 use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::ops::{LinearOps, WeightData};
@@ -175,22 +176,7 @@ impl LinearOps for CudaBackend {
                 }
             }
         } else {
-            if t.div_ceil(GEMM_TILE) > 65_535 {
-                return Err(OpError::shape("matmul", format!("{t} rows is too many")));
-            }
-            let f = self.func("gemm_f32out")?;
-            let t64 = t as u64;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    n.div_ceil(GEMM_TILE) as u32,
-                    t.div_ceil(GEMM_TILE) as u32,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut a = args![&xp, &wp, &dt, &yp, &t64, &k64, &n64, &soff];
-            self.launch("gemm", f, cfg, &mut a)?;
+            self.gemm_prefill(x, w, &out, gemm::Gemm { t, n, k, soff })?;
         }
         Ok(out)
     }

@@ -524,3 +524,22 @@ extern "C" __global__ void embedding_rows_q(const u8* table, int dt, const u32* 
             out[i * hidden + h] = load_wq(table, dt, row, h, hidden, soff);
     }
 }
+
+// ---- Prefill GEMM through cuBLAS (backend-cuda ops/linear/gemm.rs): bf16 operands ---------------
+// x → bf16, round to nearest even: out[i] = bf16(x[i]) for i < n (grid-stride, 1-D).
+extern "C" __global__ void f32_to_bf16_rows(const float* x, u16* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16(x[i]);
+}
+
+// A tile of weight rows → bf16: out[r * K + k] = bf16(w[row0 + r, k]) for r < rows, k < K, where
+// w[n, k] is load_wq's value (the CPU's exact dequantised value), rounded once to nearest even.
+// Grid: x strides over k, y strides over the tile's rows (the caller keeps row0 + rows <= N).
+extern "C" __global__ void dequant_rows_bf16(const u8* w, int dt, u64 row0, u64 rows, u64 K, u64 soff,
+                                             u16* out) {
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        u64 n = row0 + r;
+        for (u64 k = blockIdx.x * (u64)blockDim.x + threadIdx.x; k < K; k += (u64)gridDim.x * blockDim.x)
+            out[r * K + k] = f32_to_bf16(load_wq(w, dt, n, k, K, soff));
+    }
+}
