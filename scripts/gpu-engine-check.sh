@@ -6,12 +6,11 @@
 #   run there:   bash scripts/gpu-engine-check.sh
 # Checks: greedy tokens identical (CPU vs CUDA, resident vs tiny streaming arena, plain vs MTP),
 # logits and MTP logits within 1e-2 of the CPU backend. Writes logs to $OUT.
-# These strict checks run the CUDA prefill GEMM on the SIMT kernel (KVSTREAM_GEMM=simt: f32 x,
-# exact weights); the cuBLAS prefill (bf16 operands) is checked separately per model: logits
-# within 3e-2 · max(1, max|logit|) of the CPU backend (greedy tokens reported, not required).
+# These strict checks run the default prefill GEMM (cuBLAS on split bf16 operands, f32-class
+# accuracy); the SIMT fallback (KVSTREAM_GEMM=simt) is checked separately per model: logits
+# within 1e-2 and greedy tokens equal to the CPU backend's.
 set -u
 [ -f scripts/cublas-path.sh ] && . scripts/cublas-path.sh
-export KVSTREAM_GEMM=simt
 B=${KVSTREAM_BIN:-.device-bin/kvstream}
 OUT=${OUT:-/tmp/kvstream-gpu-check}
 mkdir -p "$OUT"
@@ -60,18 +59,17 @@ worst = max(float(abs(a[k] - b[k]).max()) for k in ("logits", "mtp_logits"))
 print(f"     max |cpu - cuda| = {worst:.3e}")
 sys.exit(0 if worst <= 1e-2 else 1)
 PY
-  KVSTREAM_GEMM=cublas "$B" logits --backend cuda --model "$m" --tokens "$ids" --mtp --out "$OUT/$n-cublas-logits.safetensors" 2>>"$OUT/err.log"
-  python3 - "$OUT/$n-cpu-logits.safetensors" "$OUT/$n-cublas-logits.safetensors" <<'PY' && ok "$n: cuBLAS prefill logits within 3e-2 of range" || bad "$n: cuBLAS prefill logits differ"
+  KVSTREAM_GEMM=simt "$B" logits --backend cuda --model "$m" --tokens "$ids" --mtp --out "$OUT/$n-simt-logits.safetensors" 2>>"$OUT/err.log"
+  python3 - "$OUT/$n-cpu-logits.safetensors" "$OUT/$n-simt-logits.safetensors" <<'PY' && ok "$n: SIMT-GEMM prefill logits within 1e-2" || bad "$n: SIMT-GEMM prefill logits differ"
 import sys
 from safetensors.numpy import load_file
 a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
 worst = max(float(abs(a[k] - b[k]).max()) for k in ("logits", "mtp_logits"))
-rng = max(1.0, max(float(abs(a[k]).max()) for k in ("logits", "mtp_logits")))
-print(f"     cublas: max |cpu - cuda| = {worst:.3e} (bound {3e-2 * rng:.3e})")
-sys.exit(0 if worst <= 3e-2 * rng else 1)
+print(f"     simt: max |cpu - cuda| = {worst:.3e}")
+sys.exit(0 if worst <= 1e-2 else 1)
 PY
-  KVSTREAM_GEMM=cublas "$B" generate --backend cuda "${common[@]}" >"$OUT/$n-cublas-resident.json" 2>>"$OUT/err.log"
-  echo "     cublas greedy == cpu greedy: $([ "$(tokens_of "$OUT/$n-cublas-resident.json")" = "$ref" ] && echo yes || echo no)"
+  KVSTREAM_GEMM=simt "$B" generate --backend cuda "${common[@]}" >"$OUT/$n-simt-resident.json" 2>>"$OUT/err.log"
+  [ "$(tokens_of "$OUT/$n-simt-resident.json")" = "$ref" ] && ok "$n: SIMT-GEMM greedy == cpu greedy" || bad "$n: SIMT-GEMM greedy != cpu greedy"
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["stats"]; print("     cuda mtp: decode %.1f tok/s, acceptance %s" % (d["decode_tok_per_s"], (d.get("spec") or {}).get("acceptance_rate")))' "$OUT/$n-cuda-mtp.json" 2>/dev/null
 done
 # Quantized weights (issue 10): CUDA greedy == CPU greedy on the demo model (hidden 256, so

@@ -525,21 +525,30 @@ extern "C" __global__ void embedding_rows_q(const u8* table, int dt, const u32* 
     }
 }
 
-// ---- Prefill GEMM through cuBLAS (backend-cuda ops/linear/gemm.rs): bf16 operands ---------------
-// x → bf16, round to nearest even: out[i] = bf16(x[i]) for i < n (grid-stride, 1-D).
-extern "C" __global__ void f32_to_bf16_rows(const float* x, u16* out, u64 n) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        out[i] = f32_to_bf16(x[i]);
+// ---- Prefill GEMM through cuBLAS (backend-cuda ops/linear/gemm.rs): split bf16 operands ---------
+// Split precision for the cuBLAS prefill GEMM: v = hi + lo + r with hi = bf16(v) and
+// lo = bf16(v - hi) (both nearest even), |r| <= 2^-16 |v| (16 significant bits in all).
+__device__ __forceinline__ void split_bf16(float v, u16* hi, u16* lo, u64 i) {
+    const u16 h = f32_to_bf16(v);
+    hi[i] = h;
+    lo[i] = f32_to_bf16(v - __uint_as_float((u32)h << 16));
 }
 
-// A tile of weight rows → bf16: out[r * K + k] = bf16(w[row0 + r, k]) for r < rows, k < K, where
-// w[n, k] is load_wq's value (the CPU's exact dequantised value), rounded once to nearest even.
-// Grid: x strides over k, y strides over the tile's rows (the caller keeps row0 + rows <= N).
-extern "C" __global__ void dequant_rows_bf16(const u8* w, int dt, u64 row0, u64 rows, u64 K, u64 soff,
-                                             u16* out) {
+// x (f32, n values) -> hi, lo (bf16 each).
+extern "C" __global__ void f32_to_bf16x2_rows(const float* x, u16* hi, u16* lo, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        split_bf16(x[i], hi, lo, i);
+}
+
+// A tile of weight rows -> hi, lo (bf16): hi[r * K + k] + lo[r * K + k] = w[row0 + r, k] to 16
+// significant bits, where w[n, k] is load_wq's value (the CPU's exact dequantised value; bf16
+// weights never come here, they are exact as stored). Grid: x strides over k, y over the rows
+// (the caller keeps row0 + rows <= N).
+extern "C" __global__ void dequant_rows_bf16x2(const u8* w, int dt, u64 row0, u64 rows, u64 K, u64 soff,
+                                               u16* hi, u16* lo) {
     for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
         u64 n = row0 + r;
         for (u64 k = blockIdx.x * (u64)blockDim.x + threadIdx.x; k < K; k += (u64)gridDim.x * blockDim.x)
-            out[r * K + k] = f32_to_bf16(load_wq(w, dt, n, k, K, soff));
+            split_bf16(load_wq(w, dt, n, k, K, soff), hi, lo, r * K + k);
     }
 }

@@ -1,18 +1,21 @@
 //! Prefill GEMM (more than `GEMV_MAX_T` rows): y[T, N] = x[T, K] · w[N, K]ᵀ, f32 out.
 //!
 //! * cuBLAS ([`PrefillGemm::Cublas`]): `cublasGemmEx`, compute 32F, default algorithm (tensor
-//!   cores). bf16 weights are used in place with x rounded to bf16 (`f32_to_bf16_rows`); f16 and
-//!   quantized weights are dequantised (`dequant_rows_bf16`: the exact value, rounded once to
-//!   bf16) into a bounded scratch, [`DEQUANT_SCRATCH_BYTES`], one tile of rows at a time (x in
-//!   f16 could overflow on large activations, so f16 weights take the bf16 route too); f32
-//!   weights run an f32 GEMM (f32 x, no TF32).
+//!   cores) on **split bf16 operands**, so the result keeps f32-class accuracy (the CUDA backend
+//!   must match the CPU's greedy tokens): x = xh + xl (`f32_to_bf16x2_rows`, 16 significant bits).
+//!   bf16 weights are exact as stored: y = w·xh + w·xl (2 GEMMs). f16 and quantized weights are
+//!   dequantised (`dequant_rows_bf16x2`: the exact value split into wh + wl) into a bounded
+//!   scratch, [`DEQUANT_SCRATCH_BYTES`], one tile of rows at a time: y = wh·xh + wh·xl + wl·xh
+//!   (3 GEMMs; the dropped wl·xl is below 2^-16 of each product). f32 weights run an f32 GEMM
+//!   (f32 x, no TF32). Each product's relative error is ≤ about 2^-15, against 2^-8 for plain
+//!   bf16 operands; the cost is 2-3 tensor-core GEMMs, still far below the SIMT kernel's time.
 //! * SIMT (`gemm_f32out`): the fallback, exact dequantised weights and f32 FMA.
 //!
 //! Column-major view for cuBLAS: y row-major [T, N] is C column-major [N, T] (ldc = N) =
 //! op(A) · B with A = w as column-major [K, N] (lda = K, op T) and B = x as column-major [K, T]
 //! (ldb = K, op N). A tile of weight rows n0..n0+r writes C's rows n0.. (pointer y + n0, ldc = N).
 //!
-//! Scratch (x in bf16, the dequantised tile) is stream-ordered temporaries of the compute stream
+//! Scratch (x hi/lo, the dequantised tile) is stream-ordered temporaries of the compute stream
 //! (freed in stream order when this call returns, like every other temporary of the backend).
 
 use crate::blas::{BlasHandle, PrefillGemm};
@@ -25,19 +28,19 @@ use kvstream_kernels::launch::GEMM_TILE;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::error::OpError;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-/// Most bytes of dequantised bf16 weight rows held at once (one tile).
+/// Most bytes of dequantised weight rows held at once (one tile: its hi and lo bf16 halves).
 pub const DEQUANT_SCRATCH_BYTES: usize = 64 << 20;
 /// Most weight rows per dequantised tile.
 const TILE_MAX_ROWS: usize = 4096;
 /// Tile rows are a multiple of this (keeps `y + n0` 256-byte aligned).
 const TILE_ROW_GRANULE: usize = 64;
 
-/// Rows per dequantised tile for a weight of `n` rows of `k` values: as many as fit in
-/// [`DEQUANT_SCRATCH_BYTES`] (at least one granule), at most [`TILE_MAX_ROWS`] and `n`.
+/// Rows per dequantised tile for a weight of `n` rows of `k` values: as many as fit (hi and lo,
+/// 4 bytes per value) in [`DEQUANT_SCRATCH_BYTES`] (at least one granule), at most [`TILE_MAX_ROWS`] and `n`.
 pub(crate) fn tile_rows(n: usize, k: usize) -> usize {
-    let fit = DEQUANT_SCRATCH_BYTES / (2 * k.max(1));
+    let fit = DEQUANT_SCRATCH_BYTES / (4 * k.max(1));
     let granules = (fit / TILE_ROW_GRANULE).max(1);
     (granules * TILE_ROW_GRANULE).min(TILE_MAX_ROWS).min(n)
 }
@@ -123,25 +126,31 @@ impl CudaBackend {
         self.ctx.bind_to_thread().map_err(dev("gemm"))?;
         let call = CublasCall { h, t, k, ldc: n };
         match w.dtype {
-            WeightDType::F32 => {
-                call.run(n, w.ptr(), x.ptr(), y.ptr(), sys::cudaDataType::CUDA_R_32F)
-            }
+            WeightDType::F32 => call.run(
+                n,
+                w.ptr(),
+                x.ptr(),
+                y.ptr(),
+                sys::cudaDataType::CUDA_R_32F,
+                0.0,
+            ),
             WeightDType::Bf16 => {
-                let xb = self.x_to_bf16(x, t * k)?;
-                call.run(
-                    n,
-                    w.ptr(),
-                    xb.ptr(),
-                    y.ptr(),
-                    sys::cudaDataType::CUDA_R_16BF,
-                )
+                // w exact in bf16: y = w·xh + w·xl.
+                let (xh, xl) = self.x_to_bf16x2(x, t * k)?;
+                let bf = sys::cudaDataType::CUDA_R_16BF;
+                call.run(n, w.ptr(), xh.ptr(), y.ptr(), bf, 0.0)?;
+                call.run(n, w.ptr(), xl.ptr(), y.ptr(), bf, 1.0)
             }
             _ => {
-                let xb = self.x_to_bf16(x, t * k)?;
+                // y = wh·xh + wh·xl + wl·xh (the dropped wl·xl is below 2^-16 of each product).
+                let (xh, xl) = self.x_to_bf16x2(x, t * k)?;
                 let rows = tile_rows(n, k);
-                let tile = self.alloc_bytes(rows * k * 2, "gemm weight tile")?;
-                let f = self.func("dequant_rows_bf16")?;
-                let (wp, dt, k64, tp) = (w.ptr(), dtype_code(w.dtype), k as u64, tile.ptr());
+                let wh = self.alloc_bytes(rows * k * 2, "gemm weight tile hi")?;
+                let wl = self.alloc_bytes(rows * k * 2, "gemm weight tile lo")?;
+                let f = self.func("dequant_rows_bf16x2")?;
+                let (wp, dt, k64) = (w.ptr(), dtype_code(w.dtype), k as u64);
+                let (hp, lp) = (wh.ptr(), wl.ptr());
+                let bf = sys::cudaDataType::CUDA_R_16BF;
                 for n0 in (0..n).step_by(rows) {
                     let r = rows.min(n - n0);
                     let (row0, r64) = (n0 as u64, r as u64);
@@ -150,28 +159,32 @@ impl CudaBackend {
                         block_dim: (256, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    let mut a = args![&wp, &dt, &row0, &r64, &k64, &soff, &tp];
+                    let mut a = args![&wp, &dt, &row0, &r64, &k64, &soff, &hp, &lp];
                     self.launch("gemm dequant", f, cfg, &mut a)?;
                     let yp = y.ptr() + 4 * row0;
-                    call.run(r, tp, xb.ptr(), yp, sys::cudaDataType::CUDA_R_16BF)?;
+                    call.run(r, hp, xh.ptr(), yp, bf, 0.0)?;
+                    call.run(r, hp, xl.ptr(), yp, bf, 1.0)?;
+                    call.run(r, lp, xh.ptr(), yp, bf, 1.0)?;
                 }
                 Ok(())
             }
         }
     }
 
-    /// x (f32, `len` values) rounded to bf16 in a temporary of the compute stream.
-    fn x_to_bf16(
+    /// x (f32, `len` values) split into bf16 hi and lo temporaries of the compute stream
+    /// (`f32_to_bf16x2_rows`: hi + lo carries 16 significant bits of x).
+    fn x_to_bf16x2(
         &self,
         x: &CudaTensor,
         len: usize,
-    ) -> Result<std::sync::Arc<crate::DeviceAlloc>, OpError> {
-        let out = self.alloc_bytes(len * 2, "gemm x bf16")?;
-        let f = self.func("f32_to_bf16_rows")?;
-        let (xp, op, n64) = (x.ptr(), out.ptr(), len as u64);
-        let mut a = args![&xp, &op, &n64];
+    ) -> Result<(Arc<crate::DeviceAlloc>, Arc<crate::DeviceAlloc>), OpError> {
+        let hi = self.alloc_bytes(len * 2, "gemm x hi")?;
+        let lo = self.alloc_bytes(len * 2, "gemm x lo")?;
+        let f = self.func("f32_to_bf16x2_rows")?;
+        let (xp, hp, lp, n64) = (x.ptr(), hi.ptr(), lo.ptr(), len as u64);
+        let mut a = args![&xp, &hp, &lp, &n64];
         self.launch("gemm convert", f, grid1d(len, 256), &mut a)?;
-        Ok(out)
+        Ok((hi, lo))
     }
 }
 
@@ -184,8 +197,8 @@ struct CublasCall {
 }
 
 impl CublasCall {
-    /// C[rows, T] (column-major, at `y`, leading dimension `ldc`) = A[K, rows]ᵀ · B[K, T], with A
-    /// and B of type `ty` and C f32.
+    /// C[rows, T] (column-major, at `y`, leading dimension `ldc`) = A[K, rows]ᵀ · B[K, T] +
+    /// beta · C, with A and B of type `ty` and C f32.
     fn run(
         &self,
         rows: usize,
@@ -193,12 +206,13 @@ impl CublasCall {
         b: u64,
         y: u64,
         ty: sys::cudaDataType,
+        beta: f32,
     ) -> Result<(), OpError> {
         let dim = |v: usize| {
             i32::try_from(v).map_err(|_| OpError::shape("matmul", format!("{v} is too large")))
         };
         let (m, n, k, ldc) = (dim(rows)?, dim(self.t)?, dim(self.k)?, dim(self.ldc)?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = 1.0f32;
         // SAFETY: `a` holds `rows` rows of K values of `ty`, `b` T rows of K values of `ty`, `y`
         // T rows of `ldc` f32 of which this call writes `rows` from its pointer on (the caller
         // offsets it by whole rows of the weight, so rows + offset <= ldc); all are live device
@@ -249,12 +263,12 @@ mod tests {
             assert!(r <= TILE_MAX_ROWS);
             assert!(r == n || r % TILE_ROW_GRANULE == 0, "{n}x{k}: {r}");
             assert!(
-                r * k * 2 <= DEQUANT_SCRATCH_BYTES || r <= TILE_ROW_GRANULE,
+                r * k * 4 <= DEQUANT_SCRATCH_BYTES || r <= TILE_ROW_GRANULE,
                 "{n}x{k}: {r}"
             );
         }
         assert_eq!(tile_rows(4100, 640), 4096, "N = 4100 crosses a tile");
-        assert_eq!(tile_rows(17408, 5120), 4096);
-        assert_eq!(tile_rows(5120, 17408), 1920);
+        assert_eq!(tile_rows(17408, 5120), 3264);
+        assert_eq!(tile_rows(5120, 17408), 960);
     }
 }
