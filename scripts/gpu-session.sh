@@ -3,17 +3,22 @@
 # Build here first:
 #   CARGO_TARGET_DIR=target bash scripts/gpu-test.sh              # test binaries + cuda_bench
 #   cargo build --release -p kvstream-cli --features cuda && strip -o .device-bin/kvstream target/release/kvstream
-# Runs, each step under its own timeout so one slow step cannot eat the session:
-#   1. the CUDA attention suite (GPU tests, --include-ignored)
-#   2. scripts/gpu-engine-check.sh (whole engine CUDA vs CPU, incl. quantized weights)
-#   3. 27B-geometry decode bench, bf16 at 8/32/256 Ki (plain and draft 3)
-#   4. cuda_bench (attention GB/s at 64 Ki, widths 1 and 4; HBM and H2D ceilings); its GEMV
-#      section is skipped here (run .device-bin/cuda_bench alone for it)
-#   5. 27B benches of each quantized weight format at 32 and 256 Ki, then the conformance suite.
-# Most important first: a call cut short by its time limit still returns what $OUT holds.
+# Then there:  OUT=$OUT STAGE=1 bash scripts/gpu-session.sh   (and STAGE=2 in a second call)
+#
+# STAGE 1 (≈ 8 min), each step under its own timeout so one slow step cannot eat the call:
+#   1. every CUDA test binary (GPU tests included: --include-ignored)
+#   2. cuda_bench (ceilings, GEMV per format, GEMM cuBLAS vs SIMT, chunked GDN, attention)
+#   3. ncu on one launch of the decode attention kernel and of the coalesced q4 GEMV
+#   4. scripts/gpu-engine-check.sh (whole engine CUDA vs CPU, incl. quantized weights)
+#   5. 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), q4_g128 at 32/256 Ki,
+#      and a 4 Ki prefill (--fill prefill)
+# STAGE 2: compute-sanitizer memcheck and racecheck on the op, attention and GDN suites, then the
+#   quantized-format benches left out of stage 1.
+# Summary lines go to stdout (the reliable channel back) and $OUT/summary.txt.
 set -u
 D=.device-bin
 OUT=${OUT:-/tmp/kvstream-session}
+STAGE=${STAGE:-1}
 mkdir -p "$OUT"
 export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels
 export RUST_BACKTRACE=1
@@ -29,18 +34,52 @@ step() { # name timeout cmd...
   echo "$name rc=$rc ${SECONDS}s total ($((SECONDS - t0))s)" | tee -a "$S"
 }
 nvidia-smi -L >"$OUT/device.txt" 2>&1
-step attention-tests "${T_ATT:-80}" "$D/test-attention" --include-ignored --test-threads=1
-step engine-check "${T_ENGINE:-140}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
 BENCH=("$D/kvstream" bench --backend cuda --synthetic qwen3.8-27b --kv-arena 2240MiB
   --cache-type-k q8_0 --cache-type-v q4_0 --decode-tokens 4 --reps 2 --quiet)
-step bench-bf16 "${T_BF16:-100}" "${BENCH[@]}" --contexts "${CTX_BF16:-8Ki,32Ki,256Ki}" \
-  --spec-draft-n-max 0,3 --weights bf16 --out "$OUT/bench-bf16"
-step cuda-bench "${T_BENCH:-80}" env KVSTREAM_BENCH_SKIP_GEMV=1 "$D/cuda_bench" "$OUT"
-for w in ${QUANT_FORMATS:-q4_g128 q8_0 fp8_e4m3}; do
-  step "bench-$w" "${T_Q:-45}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
-    --weights "$w" --out "$OUT/bench-$w"
-done
-step conformance-tests "${T_CONF:-40}" "$D/test-conformance" --include-ignored --test-threads=1
-grep -hE "passed|failed|FAIL" "$OUT/engine-check.log" | tail -3 >>"$S"
-grep -hE "test result" "$OUT/attention-tests.log" "$OUT/conformance-tests.log" >>"$S"
+roofline() { grep -hE "ceilings|measured/roofline|prefill" "$OUT/$1.log" | head -${2:-12}; }
+
+if [ "$STAGE" = 1 ]; then
+  for t in $(cat "$D/tests.list"); do
+    step "$t" "${T_TEST:-120}" "$D/$t" --include-ignored --test-threads=1
+    grep -hE "^test .*FAILED|panicked|test result" "$OUT/$t.log" | head -8
+  done
+  step cuda-bench "${T_BENCH:-120}" "$D/cuda_bench" "$OUT"
+  grep -vE "^\s*$" "$OUT/cuda_bench.txt" 2>/dev/null | head -90
+  NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis
+    --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats -c 1"
+  mkdir -p "$OUT/ncu-a" "$OUT/ncu-q"
+  step ncu-attn 60 env KVSTREAM_BENCH_SKIP_GEMV=1 KVSTREAM_BENCH_SKIP_GEMM=1 \
+    $NCU -k regex:attn_accumulate_q8q4 "$D/cuda_bench" "$OUT/ncu-a"
+  grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-attn.log" | head -30
+  step ncu-q4 60 env KVSTREAM_BENCH_SKIP_GEMM=1 \
+    $NCU -k regex:gemv_q4g128x_t1 "$D/cuda_bench" "$OUT/ncu-q"
+  grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-q4.log" | head -20
+  step engine-check "${T_ENGINE:-150}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
+  grep -hE "^(ok|FAIL)|passed|failed" "$OUT/engine-check.log" | tail -60
+  step bench-bf16 "${T_BF16:-110}" "${BENCH[@]}" --contexts "${CTX_BF16:-8Ki,32Ki,256Ki}" \
+    --spec-draft-n-max 0,3 --weights bf16 --out "$OUT/bench-bf16"
+  roofline bench-bf16 12
+  step bench-q4_g128 "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
+    --weights q4_g128 --out "$OUT/bench-q4_g128"
+  roofline bench-q4_g128 6
+  step bench-prefill "${T_PREFILL:-90}" "${BENCH[@]}" --fill prefill --contexts 4Ki \
+    --spec-draft-n-max 0 --weights bf16 --out "$OUT/bench-prefill"
+  grep -hE "4096|prefill|roofline" "$OUT/bench-prefill.log" | head -8
+  cat "$OUT/bench-prefill/bench.csv" 2>/dev/null | head -3
+else
+  for tool in memcheck racecheck; do
+    for t in $(grep -E 'ops_vs_cpu|attention|gdn' "$D/tests.list"); do
+      extra=()
+      [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+      step "$tool-$t" "${T_SAN:-110}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 \
+        "$D/$t" --include-ignored --test-threads=1
+      grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|Error:" "$OUT/$tool-$t.log" | sort | uniq -c | head -6
+    done
+  done
+  for w in ${QUANT_FORMATS:-q8_0 fp8_e4m3}; do
+    step "bench-$w" "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
+      --weights "$w" --out "$OUT/bench-$w"
+    roofline "bench-$w" 6
+  done
+fi
 cat "$S"
