@@ -3,6 +3,7 @@
 //! * [`tensor`]: `TensorOps`.  * [`linear`]: `LinearOps` (GEMV for ≤ 8 rows, tiled GEMM above).
 //! * [`pointwise`]: `NormOps`, `PositionOps`, `ActivationOps`, `SamplingOps`.
 //! * [`recurrent`]: `RecurrentOps`.  * [`kv`]: `KvOps`.
+//! * [`vision`]: `VisionOps` (the ViT tower's bias, LayerNorm, GELU and attention).
 
 mod kv;
 pub(crate) use kv::kv_code;
@@ -10,6 +11,7 @@ mod linear;
 mod pointwise;
 mod recurrent;
 mod tensor;
+mod vision;
 
 use crate::CudaTensor;
 use kvstream_memory_contracts::backend::DeviceTensor;
