@@ -42,4 +42,7 @@ pub use resident::{ResidentKv, ResidentKvError, ResidentKvOptions};
 pub use rope_index::{mrope_positions, MropePositions, RopeIndexError};
 pub use state::{GdnState, RecurrentState};
 pub use synthetic::{SyntheticWeights, TensorSource};
-pub use vision::{PreprocessedImage, PreprocessorConfig, VisionConfig, VisionError, VisionTower};
+pub use vision::{
+    DeviceVisionWeights, PreprocessedImage, PreprocessorConfig, VisionBackend, VisionConfig,
+    VisionError, VisionTower,
+};
