@@ -295,7 +295,13 @@ pub trait VisionOps: Backend {
 impl VisionAttentionShape {
     /// Checks the shape and the element counts of `qkv`, `cos` and `sin` (`op` names the caller
     /// in the error).
-    pub fn check(&self, op: &'static str, qkv: usize, cos: usize, sin: usize) -> Result<(), OpError> {
+    pub fn check(
+        &self,
+        op: &'static str,
+        qkv: usize,
+        cos: usize,
+        sin: usize,
+    ) -> Result<(), OpError> {
         let s = self;
         let h = s.heads * s.head_dim;
         if s.frame == 0 || s.tokens % s.frame != 0 || s.head_dim % 2 != 0 {

@@ -48,9 +48,11 @@ impl<W> Layers<W> {
     fn pairs(&self) -> impl Iterator<Item = &Pair<W>> {
         [&self.patch]
             .into_iter()
-            .chain(self.blocks.iter().flat_map(|b| {
-                [&b.norm1, &b.norm2, &b.qkv, &b.proj, &b.fc1, &b.fc2]
-            }))
+            .chain(
+                self.blocks
+                    .iter()
+                    .flat_map(|b| [&b.norm1, &b.norm2, &b.qkv, &b.proj, &b.fc1, &b.fc2]),
+            )
             .chain([&self.merger_norm, &self.merger_fc1, &self.merger_fc2])
     }
 
@@ -147,19 +149,24 @@ impl VisionTower {
         let c = &config;
         let (h, i, m) = (c.hidden_size, c.intermediate_size, c.spatial_merge_size);
         let mh = h * m * m;
-        let param = |name: String, shape: &[usize], dims: &[usize]| -> Result<HostParam, VisionError> {
-            let v = t.f32(&name, shape)?;
-            let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
-            Ok(HostParam {
-                name,
-                dims: dims.to_vec(),
-                data: WeightData::from_vec(bytes),
-            })
-        };
+        let param =
+            |name: String, shape: &[usize], dims: &[usize]| -> Result<HostParam, VisionError> {
+                let v = t.f32(&name, shape)?;
+                let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+                Ok(HostParam {
+                    name,
+                    dims: dims.to_vec(),
+                    data: WeightData::from_vec(bytes),
+                })
+            };
         let wb = |name: &str, shape: &[usize]| -> Result<Pair<HostParam>, VisionError> {
             Ok(Pair {
                 w: param(format!("model.visual.{name}.weight"), shape, shape)?,
-                b: param(format!("model.visual.{name}.bias"), &shape[..1], &shape[..1])?,
+                b: param(
+                    format!("model.visual.{name}.bias"),
+                    &shape[..1],
+                    &shape[..1],
+                )?,
             })
         };
         let patch_shape = [
@@ -228,9 +235,9 @@ impl VisionTower {
     /// resampled there per image).
     pub fn upload<B: LinearOps>(&self, backend: &B) -> Result<DeviceVisionWeights<B>, VisionError> {
         let _s = tracing::debug_span!("vision_upload", bytes = self.weight_bytes()).entered();
-        let layers = self.layers.try_map(|p| {
-            backend.load_weight(&p.name, WeightDType::F32, &p.dims, p.data.clone())
-        })?;
+        let layers = self
+            .layers
+            .try_map(|p| backend.load_weight(&p.name, WeightDType::F32, &p.dims, p.data.clone()))?;
         Ok(DeviceVisionWeights { layers })
     }
 
@@ -385,7 +392,11 @@ impl VisionTower {
 }
 
 /// `x · wᵀ + b` (PyTorch `nn.Linear`).
-fn linear<B: VisionBackend>(b: &B, x: &B::Tensor, p: &Pair<B::Weight>) -> Result<B::Tensor, OpError> {
+fn linear<B: VisionBackend>(
+    b: &B,
+    x: &B::Tensor,
+    p: &Pair<B::Weight>,
+) -> Result<B::Tensor, OpError> {
     b.add_bias(&b.matmul(x, &p.w)?, &p.b)
 }
 

@@ -26,7 +26,15 @@ impl View<'_> {
 }
 
 /// `dst[m, n]` (row-major, row stride `dst_rs`) = `lhs[m, k] · rhs[k, n]` via the `gemm` crate.
-fn matmul(m: usize, n: usize, k: usize, dst: &mut [f32], dst_rs: usize, lhs: View<'_>, rhs: View<'_>) {
+fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: View<'_>,
+    rhs: View<'_>,
+) {
     if m == 0 || n == 0 {
         return;
     }

@@ -15,7 +15,11 @@ fn row_weight(op: &'static str, x: &CpuTensor, w: &CpuWeight) -> Result<Vec<f32>
     if wv.is_empty() || x.data.len() % wv.len() != 0 {
         return Err(OpError::shape(
             op,
-            format!("{:?} is not a multiple of the weight length {}", x.dims, wv.len()),
+            format!(
+                "{:?} is not a multiple of the weight length {}",
+                x.dims,
+                wv.len()
+            ),
         ));
     }
     Ok(wv)
@@ -60,13 +64,11 @@ impl VisionOps for CpuBackend {
     fn add_bias(&self, x: &CpuTensor, b: &CpuWeight) -> Result<CpuTensor, OpError> {
         let bv = row_weight("add_bias", x, b)?;
         let mut out = x.data.clone();
-        out.par_chunks_mut(bv.len())
-            .with_min_len(16)
-            .for_each(|r| {
-                for (v, bb) in r.iter_mut().zip(&bv) {
-                    *v += bb;
-                }
-            });
+        out.par_chunks_mut(bv.len()).with_min_len(16).for_each(|r| {
+            for (v, bb) in r.iter_mut().zip(&bv) {
+                *v += bb;
+            }
+        });
         Ok(CpuTensor::new(out, x.dims.clone()))
     }
 
@@ -110,7 +112,12 @@ impl VisionOps for CpuBackend {
             Gelu::Tanh => gelu_tanh,
             Gelu::Erf => gelu_erf,
         };
-        let data = x.data.par_iter().with_min_len(4096).map(|v| f(*v)).collect();
+        let data = x
+            .data
+            .par_iter()
+            .with_min_len(4096)
+            .map(|v| f(*v))
+            .collect();
         Ok(CpuTensor::new(data, x.dims.clone()))
     }
 
@@ -121,7 +128,12 @@ impl VisionOps for CpuBackend {
         sin: &CpuTensor,
         shape: &VisionAttentionShape,
     ) -> Result<CpuTensor, OpError> {
-        shape.check("vision_attention", qkv.data.len(), cos.data.len(), sin.data.len())?;
+        shape.check(
+            "vision_attention",
+            qkv.data.len(),
+            cos.data.len(),
+            sin.data.len(),
+        )?;
         let _s = tracing::trace_span!("cpu.vision_attention", n = shape.tokens).entered();
         let mut rotated = qkv.data.clone();
         attention::rotary(&mut rotated, &cos.data, &sin.data, shape);
@@ -142,8 +154,13 @@ mod tests {
 
     fn w32(b: &CpuBackend, v: &[f32]) -> CpuWeight {
         let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
-        b.load_weight("w", WeightDType::F32, &[v.len()], WeightData::from_vec(bytes))
-            .expect("weight")
+        b.load_weight(
+            "w",
+            WeightDType::F32,
+            &[v.len()],
+            WeightData::from_vec(bytes),
+        )
+        .expect("weight")
     }
 
     #[test]
@@ -160,7 +177,9 @@ mod tests {
         assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-6);
         assert!(gelu_erf(-8.0).abs() < 1e-6);
         let b = CpuBackend::new();
-        let y = b.gelu(&tensor(vec![1.0, -8.0], &[2]), Gelu::Erf).expect("gelu");
+        let y = b
+            .gelu(&tensor(vec![1.0, -8.0], &[2]), Gelu::Erf)
+            .expect("gelu");
         assert_eq!(y.data, vec![gelu_erf(1.0), gelu_erf(-8.0)]);
     }
 
@@ -180,12 +199,24 @@ mod tests {
         }
         let g: Vec<f32> = (0..k).map(|i| 1.0 + i as f32 * 0.01).collect();
         let z = b
-            .layer_norm(&tensor(x, &[n, k]), &w32(&b, &g), &w32(&b, &[0.5; 19]), 1e-6)
+            .layer_norm(
+                &tensor(x, &[n, k]),
+                &w32(&b, &g),
+                &w32(&b, &[0.5; 19]),
+                1e-6,
+            )
             .expect("ln");
-        let back: Vec<f32> = z.data[..k].iter().zip(&g).map(|(v, g)| (v - 0.5) / g).collect();
+        let back: Vec<f32> = z.data[..k]
+            .iter()
+            .zip(&g)
+            .map(|(v, g)| (v - 0.5) / g)
+            .collect();
         let mean: f32 = back.iter().sum::<f32>() / k as f32;
         let var: f32 = back.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / k as f32;
-        assert!(mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3, "{mean} {var}");
+        assert!(
+            mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3,
+            "{mean} {var}"
+        );
         let bad = b.add_bias(&tensor(vec![0.0; 7], &[7]), &w32(&b, &[1.0, 2.0]));
         assert!(matches!(bad, Err(OpError::Shape { .. })));
     }
