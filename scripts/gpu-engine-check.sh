@@ -85,4 +85,15 @@ for w in q8_0 q4_g128 fp8_e4m3; do
   [ -n "$ref" ] && [ "$(tokens_of "$OUT/demo-$w-cuda.json")" = "$ref" ] && ok "demo $w: cuda greedy == cpu greedy" || bad "demo $w: cuda greedy != cpu greedy"
   [ -n "$ref" ] && [ "$(tokens_of "$OUT/demo-$w-cuda-mtp.json")" = "$(tokens_of "$OUT/demo-$w-cuda.json")" ] && ok "demo $w: cuda MTP draft 3 == plain" || bad "demo $w: cuda MTP != plain"
 done
+# Images (issue 11): the vision tower on the GPU. Greedy tokens of a 2-image prompt on tiny-vl
+# (image_token_id 250 between vision start/end 248/249), CUDA == CPU (tower weights uploaded per
+# image and freed after it).
+m=fixtures/tiny-vl
+VLP="5,17,248,250,249,33,248,250,249,90,11"
+common=(--model "$m" --prompt-tokens "$VLP" --image "$m/img_a.png" --image "$m/img_b.png" --n-predict 32 --ignore-eos --json --kv-page-tokens 4)
+for be in cpu cuda; do
+  "$B" generate --backend $be "${common[@]}" >"$OUT/vl-$be.json" 2>>"$OUT/err.log"
+done
+ref=$(tokens_of "$OUT/vl-cpu.json")
+[ -n "$ref" ] && [ "$(tokens_of "$OUT/vl-cuda.json")" = "$ref" ] && ok "tiny-vl --image x2: cuda greedy == cpu greedy (vision tower on the GPU)" || bad "tiny-vl --image: cuda greedy != cpu greedy"
 echo "$pass passed, $fail failed"

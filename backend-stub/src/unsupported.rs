@@ -17,8 +17,8 @@ use kvstream_memory_contracts::host::{HostBytes, HostRange, PinnedHost};
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::kv::span::SpanPlan;
 use kvstream_memory_contracts::ops::{
-    ActivationOps, DeltaMode, DeltaShape, KvOps, LinearOps, NormOps, Position3, PositionOps,
-    RecurrentOps, RopeConfig, SamplingOps, TensorOps, WeightData,
+    ActivationOps, DeltaMode, DeltaShape, Gelu, KvOps, LinearOps, NormOps, Position3, PositionOps,
+    RecurrentOps, RopeConfig, SamplingOps, TensorOps, VisionAttentionShape, VisionOps, WeightData,
 };
 use kvstream_memory_contracts::transfer::CopyEngine;
 use std::sync::Arc;
@@ -262,5 +262,32 @@ impl ActivationOps for StubBackend {
 impl SamplingOps for StubBackend {
     fn argmax_rows(&self, logits: &StubTensor) -> Result<Vec<u32>, OpError> {
         match *logits {}
+    }
+}
+
+impl VisionOps for StubBackend {
+    fn add_bias(&self, x: &StubTensor, _b: &StubWeight) -> Result<StubTensor, OpError> {
+        match *x {}
+    }
+    fn layer_norm(
+        &self,
+        x: &StubTensor,
+        _w: &StubWeight,
+        _b: &StubWeight,
+        _eps: f32,
+    ) -> Result<StubTensor, OpError> {
+        match *x {}
+    }
+    fn gelu(&self, x: &StubTensor, _kind: Gelu) -> Result<StubTensor, OpError> {
+        match *x {}
+    }
+    fn vision_attention(
+        &self,
+        qkv: &StubTensor,
+        _cos: &StubTensor,
+        _sin: &StubTensor,
+        _shape: &VisionAttentionShape,
+    ) -> Result<StubTensor, OpError> {
+        match *qkv {}
     }
 }

@@ -117,6 +117,17 @@ pub const MODULES: &[KernelModule] = &[
         kernels: &["attn_accumulate", "attn_accumulate_q8q4", "attn_finish"],
     },
     KernelModule {
+        module: "vision",
+        source: include_str!("cu/vision.cu"),
+        kernels: &[
+            "add_bias_f32",
+            "layer_norm_f32",
+            "gelu_f32",
+            "vision_rotary_f32",
+            "vision_attn_f32",
+        ],
+    },
+    KernelModule {
         module: "bench",
         source: include_str!("cu/bench.cu"),
         kernels: &["read_sum_f32"],
@@ -157,6 +168,10 @@ pub mod launch {
     pub const ATT_FAST_ROWS: usize = 32;
     /// f32 stride of one score row in the fast kernel's shared memory (`FA_SROW`).
     pub const ATT_FAST_SROW: usize = 68;
+    /// Query rows (one warp each) per block of the ViT attention kernel (`VA_WARPS`).
+    pub const VISION_ATT_WARPS: usize = 4;
+    /// Largest head dim of the ViT attention kernel (4 values per lane, `VA_MAX_HD`).
+    pub const VISION_ATT_MAX_HEAD_DIM: usize = 128;
 }
 
 /// Finds the module that defines `kernel`.

@@ -240,6 +240,90 @@ pub trait ActivationOps: Backend {
     fn sigmoid_gate(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor, OpError>;
 }
 
+/// Which GELU a vision MLP uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// `gelu_pytorch_tanh`: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    Tanh,
+    /// Exact `nn.GELU()`: `x·Φ(x) = 0.5·x·(1 + erf(x/√2))`.
+    Erf,
+}
+
+/// Layout of the vision tower's attention input (see [`VisionOps::vision_attention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VisionAttentionShape {
+    /// Tokens (patches) of the image: a whole number of frames.
+    pub tokens: usize,
+    /// Patches per frame: tokens attend to (all) tokens of their own frame only.
+    pub frame: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Dims per head (even).
+    pub head_dim: usize,
+}
+
+/// The few ops of a ViT encoder (the Qwen3.5/3.8 vision tower) the text ops lack. Weights passed
+/// here (`b`, `w`) are 1-D f32/f16/bf16 weights.
+pub trait VisionOps: Backend {
+    /// `x [T, N] + b [N]` broadcast over the rows (the bias of a linear layer).
+    fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, OpError>;
+    /// LayerNorm over rows of `d = w.len()` (biased variance):
+    /// `y = (x − mean) / sqrt(var + eps) · w + b`.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor, OpError>;
+    /// Element-wise GELU.
+    fn gelu(&self, x: &Self::Tensor, kind: Gelu) -> Result<Self::Tensor, OpError>;
+    /// The ViT attention: `qkv` is `[T, 3·heads·head_dim]` (q | k | v, head-major inside each);
+    /// `cos`, `sin` are `[frame, head_dim]` (row `i % frame` for token i). Rotary
+    /// (`rotate_half` over the full head: `x·cos + rotate_half(x)·sin`) is applied to q and k,
+    /// then bidirectional softmax attention (scale `1/sqrt(head_dim)`) runs inside each frame of
+    /// `frame` consecutive tokens. Returns `[T, heads·head_dim]`, head-major.
+    fn vision_attention(
+        &self,
+        qkv: &Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        shape: &VisionAttentionShape,
+    ) -> Result<Self::Tensor, OpError>;
+}
+
+impl VisionAttentionShape {
+    /// Checks the shape and the element counts of `qkv`, `cos` and `sin` (`op` names the caller
+    /// in the error).
+    pub fn check(
+        &self,
+        op: &'static str,
+        qkv: usize,
+        cos: usize,
+        sin: usize,
+    ) -> Result<(), OpError> {
+        let s = self;
+        let h = s.heads * s.head_dim;
+        if s.frame == 0 || s.tokens % s.frame != 0 || s.head_dim % 2 != 0 {
+            return Err(OpError::shape(
+                op,
+                format!("{s:?}: tokens must be a whole number of non-empty frames, head_dim even"),
+            ));
+        }
+        if qkv != s.tokens * 3 * h || cos != s.frame * s.head_dim || sin != cos {
+            return Err(OpError::shape(
+                op,
+                format!(
+                    "{s:?}: qkv has {qkv} values (want {}), cos {cos} / sin {sin} (want {})",
+                    s.tokens * 3 * h,
+                    s.frame * s.head_dim
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// KV row writes into device pages.
 pub trait KvOps: Backend {
     /// Encodes `k` and `v` (`[n, kv_heads · head_dim]` each) in the geometry's K/V types and
@@ -271,6 +355,7 @@ pub trait ModelBackend:
     + ActivationOps
     + KvOps
     + SamplingOps
+    + VisionOps
     + StreamedAttention
     + CopyEngine
     + DeviceMemory
@@ -288,6 +373,7 @@ impl<B> ModelBackend for B where
         + ActivationOps
         + KvOps
         + SamplingOps
+        + VisionOps
         + StreamedAttention
         + CopyEngine
         + DeviceMemory

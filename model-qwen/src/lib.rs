@@ -8,7 +8,7 @@
 //! * [`weights`]: memory-mapped safetensors (single file or sharded).
 //! * [`model`]: [`QwenModel`] (`load`, `forward`, `mtp_forward`).
 //! * [`state`]: per-sequence GDN state ([`RecurrentState`]).
-//! * [`vision`]: the vision tower (preprocess + encode, host f32); [`rope_index`]: multimodal
+//! * [`vision`]: the vision tower (preprocess + encode on a backend); [`rope_index`]: multimodal
 //!   M-RoPE positions.
 //! * [`attention_kv`]: the seam to whoever owns the KV cache; [`resident`]: all-resident KV.
 //! * [`quant`]: quantized weights ([`WeightPolicy`], [`save_quantized`], [`plan_weight_bytes`]);
@@ -42,4 +42,7 @@ pub use resident::{ResidentKv, ResidentKvError, ResidentKvOptions};
 pub use rope_index::{mrope_positions, MropePositions, RopeIndexError};
 pub use state::{GdnState, RecurrentState};
 pub use synthetic::{SyntheticWeights, TensorSource};
-pub use vision::{PreprocessedImage, PreprocessorConfig, VisionConfig, VisionError, VisionTower};
+pub use vision::{
+    DeviceVisionWeights, PreprocessedImage, PreprocessorConfig, VisionBackend, VisionConfig,
+    VisionError, VisionTower,
+};

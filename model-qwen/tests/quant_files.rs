@@ -441,11 +441,11 @@ fn saved_quantized_vl_model_keeps_its_vision_tower() {
     let p = preprocess(&img, &cfg).expect("preprocess");
     let want = VisionTower::load(&src)
         .expect("source tower")
-        .encode(&p)
+        .encode_on(&CpuBackend::new(), &p)
         .expect("encode");
     let got = VisionTower::load(&out)
         .expect("saved tower")
-        .encode(&p)
+        .encode_on(&CpuBackend::new(), &p)
         .expect("encode");
     assert!(!want.is_empty());
     assert_eq!(

@@ -1,7 +1,7 @@
 //! The vision path against the HF fixture `fixtures/tiny-vl/` (scripts/gen_vision_fixture.py):
 //! preprocessing (pixel_values), the vision tower (merger output), M-RoPE positions, and
 //! malformed-image errors.
-
+use kvstream_backend_cpu::CpuBackend;
 use kvstream_model_qwen::rope_index::mrope_positions;
 use kvstream_model_qwen::vision::{decode_image, preprocess, PreprocessorConfig, VisionConfig};
 use kvstream_model_qwen::{VisionError, VisionTower};
@@ -99,7 +99,7 @@ fn vision_tower_matches_hf_embeddings() {
         let (_, pix) = o.f32(&format!("pix.{k}"));
         let mut p = preprocess(&image(k), &cfg).expect("preprocess");
         p.pixels = pix;
-        let got = tower.encode(&p).expect("encode");
+        let got = tower.encode_on(&CpuBackend::new(), &p).expect("encode");
         let (shape, want) = o.f32(&format!("vis.{k}"));
         assert_eq!(shape, vec![p.n_tokens(2), tower.config().out_hidden_size]);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -122,7 +122,7 @@ fn end_to_end_image_bytes_to_embeddings() {
     let cfg = PreprocessorConfig::from_model_dir(&dir()).expect("preprocessor config");
     for k in ["c", "d"] {
         let p = preprocess(&image(k), &cfg).expect("preprocess");
-        let got = tower.encode(&p).expect("encode");
+        let got = tower.encode_on(&CpuBackend::new(), &p).expect("encode");
         let (_, want) = o.f32(&format!("vis.{k}"));
         let d = max_abs_diff(&got, &want);
         eprintln!("bytes→embeddings {k}: max |diff| {d:.3e}");

@@ -61,7 +61,7 @@ fn multimodal_logits_and_greedy_continuation_match_hf() {
     for k in ["a", "b"] {
         let bytes = std::fs::read(dir().join(format!("img_{k}.png"))).expect("png");
         let p = preprocess(&bytes, &pcfg).expect("preprocess");
-        rows.extend(tower.encode(&p).expect("encode"));
+        rows.extend(tower.encode_on(&CpuBackend::new(), &p).expect("encode"));
         grids.push(p.grid_thw);
     }
     let tokens: Vec<u32> = i64s(&oracle, "ids").iter().map(|&t| t as u32).collect();

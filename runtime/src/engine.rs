@@ -215,7 +215,7 @@ pub struct Engine<B: ModelBackend> {
     /// Called after every prefill chunk with (tokens done, tokens total).
     pub(crate) prefill_progress: Option<PrefillProgress>,
     /// Images: vision tower, M-RoPE position map of the session, loan stats.
-    pub(crate) mm: crate::multimodal::MultimodalState,
+    pub(crate) mm: crate::multimodal::MultimodalState<B>,
 }
 
 /// A prefill progress callback: `(tokens done, tokens total)` of the current prefill.

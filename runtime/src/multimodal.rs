@@ -25,12 +25,18 @@
 //!    exactly the same positions as the target (row i at the target's position i).
 //!
 //! ## Where the encoder runs
-//! The vision tower currently computes on the **host** in f32 ([`VisionTower::encode`]). The loan
-//! is nevertheless a real reservation of the device arena (on the CPU backend the arena is host
-//! memory itself): the region is committed in the arena's region map, the KV pool is released
-//! for its duration, and the encoder's bytes (weights held + the workspace estimate for the
-//! image) are accounted against it (checked after the tower loads). A device encoder can place
-//! its tensors in the leased region without changing the protocol.
+//! On the engine's backend ([`VisionTower::encode_with`], generic over
+//! [`kvstream_model_qwen::VisionBackend`]): the CPU backend computes it on the host (the HF-checked
+//! reference), the CUDA backend on the GPU (vision.cu). The tower's f32 weights are read from the
+//! checkpoint into host memory, uploaded as backend weights ([`VisionTower::upload`]; the CPU
+//! backend references the host bytes) and, unless kept resident, dropped with the host copy at
+//! the end of the loan; every activation of the encoder is dropped before `encode_with` returns.
+//! The loan is a real reservation of the device arena: the region is committed in the arena's
+//! region map, the KV pool is released for its duration, and the encoder's bytes (weights held on
+//! the backend + the workspace estimate for the image) are checked against it. The encoder's
+//! tensors are the backend's own allocations (on CUDA stream-ordered allocations next to the
+//! arena, freed when dropped), not sub-ranges of the region: the region is the budget they are
+//! accounted against, so after each image the backend holds what it held in the text phase.
 //!
 //! ## Keeping the tower resident
 //! [`VisionOptions::keep_weights_resident`]: the tower's weights stay loaded between images when
@@ -48,10 +54,12 @@ use crate::phase::{Phase, REGION_ALIGN};
 use crate::sampling::Sampler;
 use crate::speculative::SpecStats;
 use crate::stats::EngineStats;
+use kvstream_memory_contracts::backend::Backend;
 use kvstream_memory_contracts::ops::{ModelBackend, Position3};
 use kvstream_model_qwen::vision::{preprocess, PreprocessedImage, PreprocessorConfig};
 use kvstream_model_qwen::{
-    mrope_positions, AttentionPhase, ImageEmbeds, LogitRows, VisionConfig, VisionTower,
+    mrope_positions, AttentionPhase, DeviceVisionWeights, ImageEmbeds, LogitRows, VisionConfig,
+    VisionError, VisionTower,
 };
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -158,18 +166,43 @@ impl PositionMap {
     }
 }
 
+/// The tower kept between images: host weights and their backend copy.
+struct ResidentTower<B: Backend> {
+    host: VisionTower,
+    device: DeviceVisionWeights<B>,
+}
+
 /// The engine's multimodal state (lazily initialised on the first image).
-#[derive(Default)]
-pub struct MultimodalState {
+pub struct MultimodalState<B: Backend> {
     vision: Option<(VisionConfig, PreprocessorConfig)>,
-    tower: Option<VisionTower>,
+    tower: Option<ResidentTower<B>>,
     opts: VisionOptions,
     /// The session's position map (cleared by `Engine::reset`).
     pub(crate) positions: PositionMap,
     stats: VisionStats,
 }
 
-impl std::fmt::Debug for MultimodalState {
+impl<B: Backend> Default for MultimodalState<B> {
+    fn default() -> Self {
+        Self {
+            vision: None,
+            tower: None,
+            opts: VisionOptions::default(),
+            positions: PositionMap::default(),
+            stats: VisionStats::default(),
+        }
+    }
+}
+
+/// An encoder failure: a backend op error stays an op error, the rest are image errors.
+fn vision_error(e: VisionError) -> RuntimeError {
+    match e {
+        VisionError::Op(op) => RuntimeError::Op(op),
+        other => RuntimeError::Image(other),
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for MultimodalState<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MultimodalState")
             .field("vision", &self.vision.is_some())
@@ -486,14 +519,22 @@ impl<B: ModelBackend> Engine<B> {
         };
         let (tower, loaded) = match self.mm.tower.take() {
             Some(t) => (t, false),
-            None => (VisionTower::load_with_config(&dir, vc)?, true),
+            None => {
+                let host = VisionTower::load_with_config(&dir, vc).map_err(vision_error)?;
+                let device = host.upload(&self.backend).map_err(vision_error)?;
+                (ResidentTower { host, device }, true)
+            }
         };
         if loaded {
             self.mm.stats.weight_loads += 1;
         }
-        // The encoder's bytes are accounted against the region (the host encoder's buffers on
-        // the CPU path): weights held inside the loan + the workspace estimate.
-        let in_loan = if weights > 0 { tower.weight_bytes() } else { 0 };
+        // The encoder's bytes are accounted against the region: the weights held on the backend
+        // inside the loan + the workspace estimate.
+        let in_loan = if weights > 0 {
+            tower.host.weight_bytes()
+        } else {
+            0
+        };
         if in_loan + ws > loan {
             return Err(RuntimeError::Protocol(format!(
                 "vision encoder needs {} bytes, the loan has {loan}",
@@ -501,12 +542,17 @@ impl<B: ModelBackend> Engine<B> {
             )));
         }
         let t = Instant::now();
-        let rows = tower.encode(img.preprocessed())?;
+        let rows = tower
+            .host
+            .encode_with(&self.backend, &tower.device, img.preprocessed())
+            .map_err(vision_error)?;
         let encode_seconds = t.elapsed().as_secs_f64();
         if self.keep_resident() {
-            self.mm.stats.resident_weight_bytes = tower.weight_bytes() as u64;
+            self.mm.stats.resident_weight_bytes = tower.host.weight_bytes() as u64;
             self.mm.tower = Some(tower);
         } else {
+            // Frees the backend weights and the host copy before the loan ends.
+            drop(tower);
             self.mm.stats.resident_weight_bytes = 0;
         }
         self.mm.stats.images += 1;

@@ -316,7 +316,7 @@ fn reference_decode_logits(tokens: &[u32], first: u32, steps: &[u32]) -> Vec<Vec
     let (mut rows, mut grids) = (Vec::new(), Vec::new());
     for f in ["img_a.png", "img_b.png"] {
         let p = preprocess(&std::fs::read(vl_dir().join(f)).expect("png"), &pcfg).expect("pre");
-        rows.extend(tower.encode(&p).expect("encode"));
+        rows.extend(tower.encode_on(&CpuBackend::new(), &p).expect("encode"));
         grids.push(p.grid_thw);
     }
     let pos = mrope_positions(tokens, &grids, tower.config(), 0).expect("positions");

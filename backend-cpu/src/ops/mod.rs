@@ -6,6 +6,7 @@
 //! * [`linear`]: `LinearOps` (weights, embedding, the GEMV/GEMM `matmul`).
 //! * [`norm`]: `NormOps`.  * [`rope`]: `PositionOps`.  * [`recurrent`]: `RecurrentOps`.
 //! * [`activation`]: `ActivationOps` and `SamplingOps`.
+//! * [`vision`]: `VisionOps` (bias, LayerNorm, GELU, the ViT attention).
 
 pub(crate) mod activation;
 pub(crate) mod linear;
@@ -13,6 +14,7 @@ pub(crate) mod norm;
 pub(crate) mod recurrent;
 pub(crate) mod rope;
 pub(crate) mod tensor;
+pub(crate) mod vision;
 pub mod weights;
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! * [`tensor`]: `TensorOps`.  * [`linear`]: `LinearOps` (GEMV for ≤ 8 rows, tiled GEMM above).
 //! * [`pointwise`]: `NormOps`, `PositionOps`, `ActivationOps`, `SamplingOps`.
 //! * [`recurrent`]: `RecurrentOps` (long prefills through [`gdn_chunk`]).  * [`kv`]: `KvOps`.
+//! * [`vision`]: `VisionOps` (the ViT tower's bias, LayerNorm, GELU and attention).
 
 mod gdn_chunk;
 pub use gdn_chunk::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
@@ -12,6 +13,7 @@ mod linear;
 mod pointwise;
 mod recurrent;
 mod tensor;
+mod vision;
 
 use crate::CudaTensor;
 use kvstream_memory_contracts::backend::DeviceTensor;

@@ -49,4 +49,7 @@ pub enum VisionError {
     /// Loading `model.visual.*` weights failed.
     #[error(transparent)]
     Weights(#[from] ModelError),
+    /// A backend op of the encoder failed (device error, out of memory, capability).
+    #[error("vision encoder: {0}")]
+    Op(#[from] kvstream_memory_contracts::error::OpError),
 }

@@ -1,35 +1,128 @@
-//! [`VisionTower`]: the Qwen3.5/3.8 ViT (qwen-spec §6) on the host in f32, matching HF's
+//! [`VisionTower`]: the Qwen3.5/3.8 ViT (qwen-spec §6) on any backend with [`VisionOps`], matching HF's
 //! `Qwen3_5VisionModel` (patch embed → + bilinearly resampled learned positions → ViT blocks
 //! with 2-D rotary and bidirectional per-frame attention → LayerNorm + 2×2 merger MLP).
 
 use super::config::{VisionAct, VisionConfig};
 use super::error::VisionError;
-use super::math::{gelu_erf, gelu_tanh, layer_norm, linear, matmul, View};
 use super::preprocess::PreprocessedImage;
 use super::weights::VisualTensors;
+use kvstream_memory_contracts::backend::{Backend, DeviceWeight, WeightDType};
+use kvstream_memory_contracts::error::OpError;
+use kvstream_memory_contracts::ops::{
+    Gelu, LinearOps, TensorOps, VisionAttentionShape, VisionOps, WeightData,
+};
 use rayon::prelude::*;
 use std::path::Path;
 
 const LN_EPS: f32 = 1e-6;
 
-struct Block {
-    norm1: (Vec<f32>, Vec<f32>),
-    norm2: (Vec<f32>, Vec<f32>),
-    qkv: (Vec<f32>, Vec<f32>),
-    proj: (Vec<f32>, Vec<f32>),
-    fc1: (Vec<f32>, Vec<f32>),
-    fc2: (Vec<f32>, Vec<f32>),
+/// Everything a backend needs to run the tower.
+pub trait VisionBackend: TensorOps + LinearOps + VisionOps {}
+impl<B: TensorOps + LinearOps + VisionOps> VisionBackend for B {}
+
+/// A weight with its bias (linear layers, LayerNorms).
+struct Pair<W> {
+    w: W,
+    b: W,
 }
 
-/// The vision tower with its weights in host memory (f32).
+struct Block<W> {
+    norm1: Pair<W>,
+    norm2: Pair<W>,
+    qkv: Pair<W>,
+    proj: Pair<W>,
+    fc1: Pair<W>,
+    fc2: Pair<W>,
+}
+
+/// The tower's matrices and vectors, as host f32 bytes or as one backend's weights.
+struct Layers<W> {
+    patch: Pair<W>,
+    blocks: Vec<Block<W>>,
+    merger_norm: Pair<W>,
+    merger_fc1: Pair<W>,
+    merger_fc2: Pair<W>,
+}
+
+impl<W> Layers<W> {
+    fn pairs(&self) -> impl Iterator<Item = &Pair<W>> {
+        [&self.patch]
+            .into_iter()
+            .chain(
+                self.blocks
+                    .iter()
+                    .flat_map(|b| [&b.norm1, &b.norm2, &b.qkv, &b.proj, &b.fc1, &b.fc2]),
+            )
+            .chain([&self.merger_norm, &self.merger_fc1, &self.merger_fc2])
+    }
+
+    fn try_map<V, E>(&self, mut f: impl FnMut(&W) -> Result<V, E>) -> Result<Layers<V>, E> {
+        let mut pair = |p: &Pair<W>| -> Result<Pair<V>, E> {
+            Ok(Pair {
+                w: f(&p.w)?,
+                b: f(&p.b)?,
+            })
+        };
+        Ok(Layers {
+            patch: pair(&self.patch)?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| {
+                    Ok(Block {
+                        norm1: pair(&b.norm1)?,
+                        norm2: pair(&b.norm2)?,
+                        qkv: pair(&b.qkv)?,
+                        proj: pair(&b.proj)?,
+                        fc1: pair(&b.fc1)?,
+                        fc2: pair(&b.fc2)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, E>>()?,
+            merger_norm: pair(&self.merger_norm)?,
+            merger_fc1: pair(&self.merger_fc1)?,
+            merger_fc2: pair(&self.merger_fc2)?,
+        })
+    }
+}
+
+/// A host f32 tensor, held as bytes a backend can take without conversion.
+struct HostParam {
+    name: String,
+    dims: Vec<usize>,
+    data: WeightData,
+}
+
+/// The vision tower with its weights in host memory (f32). It computes on a backend
+/// ([`VisionTower::encode_on`]): the weights are uploaded as backend weights
+/// ([`VisionTower::upload`]) and dropped after the image unless the caller keeps them.
 pub struct VisionTower {
     config: VisionConfig,
-    patch: (Vec<f32>, Vec<f32>),
     pos_embed: Vec<f32>,
-    blocks: Vec<Block>,
-    merger_norm: (Vec<f32>, Vec<f32>),
-    merger_fc1: (Vec<f32>, Vec<f32>),
-    merger_fc2: (Vec<f32>, Vec<f32>),
+    layers: Layers<HostParam>,
+}
+
+/// The tower's weights on one backend ([`VisionTower::upload`]); dropping them frees them.
+pub struct DeviceVisionWeights<B: Backend> {
+    layers: Layers<B::Weight>,
+}
+
+impl<B: Backend> DeviceVisionWeights<B> {
+    /// Bytes the weights occupy on the backend.
+    pub fn device_bytes(&self) -> usize {
+        self.layers
+            .pairs()
+            .map(|p| p.w.device_bytes() + p.b.device_bytes())
+            .sum()
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DeviceVisionWeights<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceVisionWeights")
+            .field("device_bytes", &self.device_bytes())
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for VisionTower {
@@ -56,22 +149,41 @@ impl VisionTower {
         let c = &config;
         let (h, i, m) = (c.hidden_size, c.intermediate_size, c.spatial_merge_size);
         let mh = h * m * m;
-        let wb = |name: &str, shape: &[usize]| -> Result<(Vec<f32>, Vec<f32>), VisionError> {
-            Ok((
-                t.f32(&format!("model.visual.{name}.weight"), shape)?,
-                t.f32(&format!("model.visual.{name}.bias"), &shape[..1])?,
-            ))
+        let param =
+            |name: String, shape: &[usize], dims: &[usize]| -> Result<HostParam, VisionError> {
+                let v = t.f32(&name, shape)?;
+                let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+                Ok(HostParam {
+                    name,
+                    dims: dims.to_vec(),
+                    data: WeightData::from_vec(bytes),
+                })
+            };
+        let wb = |name: &str, shape: &[usize]| -> Result<Pair<HostParam>, VisionError> {
+            Ok(Pair {
+                w: param(format!("model.visual.{name}.weight"), shape, shape)?,
+                b: param(
+                    format!("model.visual.{name}.bias"),
+                    &shape[..1],
+                    &shape[..1],
+                )?,
+            })
         };
-        let patch = wb(
-            "patch_embed.proj",
-            &[
-                h,
-                c.in_channels,
-                c.temporal_patch_size,
-                c.patch_size,
-                c.patch_size,
-            ],
-        )?;
+        let patch_shape = [
+            h,
+            c.in_channels,
+            c.temporal_patch_size,
+            c.patch_size,
+            c.patch_size,
+        ];
+        let patch = Pair {
+            w: param(
+                "model.visual.patch_embed.proj.weight".into(),
+                &patch_shape,
+                &[h, c.patch_dim()],
+            )?,
+            b: param("model.visual.patch_embed.proj.bias".into(), &[h], &[h])?,
+        };
         let pos_embed = t.f32(
             "model.visual.pos_embed.weight",
             &[c.num_position_embeddings, h],
@@ -89,13 +201,16 @@ impl VisionTower {
                 })
             })
             .collect::<Result<Vec<_>, VisionError>>()?;
-        Ok(Self {
+        let layers = Layers {
             patch,
-            pos_embed,
             blocks,
             merger_norm: wb("merger.norm", &[h])?,
             merger_fc1: wb("merger.linear_fc1", &[mh, mh])?,
             merger_fc2: wb("merger.linear_fc2", &[c.out_hidden_size, mh])?,
+        };
+        Ok(Self {
+            pos_embed,
+            layers,
             config,
         })
     }
@@ -107,34 +222,51 @@ impl VisionTower {
 
     /// Bytes of the weights as held here (f32).
     pub fn weight_bytes(&self) -> usize {
-        let pair = |p: &(Vec<f32>, Vec<f32>)| p.0.len() + p.1.len();
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .map(|b| {
-                pair(&b.norm1)
-                    + pair(&b.norm2)
-                    + pair(&b.qkv)
-                    + pair(&b.proj)
-                    + pair(&b.fc1)
-                    + pair(&b.fc2)
-            })
+        let params: usize = self
+            .layers
+            .pairs()
+            .map(|p| p.w.data.len + p.b.data.len)
             .sum();
-        4 * (pair(&self.patch)
-            + self.pos_embed.len()
-            + blocks
-            + pair(&self.merger_norm)
-            + pair(&self.merger_fc1)
-            + pair(&self.merger_fc2))
+        params + 4 * self.pos_embed.len()
     }
 
-    /// Encodes one preprocessed image (or video clip): `[n_tokens, out_hidden_size]` row-major,
-    /// one row per `<|image_pad|>` token in order (n_tokens = t·h·w / merge²).
+    /// Makes the tower's matrices and vectors backend weights (f32; the CPU backend references
+    /// the host bytes, a GPU uploads them). The learned position table stays on the host (it is
+    /// resampled there per image).
+    pub fn upload<B: LinearOps>(&self, backend: &B) -> Result<DeviceVisionWeights<B>, VisionError> {
+        let _s = tracing::debug_span!("vision_upload", bytes = self.weight_bytes()).entered();
+        let layers = self
+            .layers
+            .try_map(|p| backend.load_weight(&p.name, WeightDType::F32, &p.dims, p.data.clone()))?;
+        Ok(DeviceVisionWeights { layers })
+    }
+
+    /// Encodes one image on `backend`: uploads the weights, encodes
+    /// ([`VisionTower::encode_with`]) and frees them again.
+    pub fn encode_on<B: VisionBackend>(
+        &self,
+        backend: &B,
+        img: &PreprocessedImage,
+    ) -> Result<Vec<f32>, VisionError> {
+        let weights = self.upload(backend)?;
+        self.encode_with(backend, &weights, img)
+    }
+
+    /// Encodes one preprocessed image (or video clip) on `backend` with weights from
+    /// [`VisionTower::upload`]: `[n_tokens, out_hidden_size]` row-major, one row per
+    /// `<|image_pad|>` token in order (n_tokens = t·h·w / merge²). Every intermediate tensor is
+    /// dropped before this returns.
     ///
-    /// Guarantees HF `Qwen3_5VisionModel(...).pooler_output` for this image alone (f32 rounding
-    /// level; images never attend to each other, so encoding them one by one equals HF's packed
-    /// batch). Inconsistent input (patch size, grid, pixel count) is a [`VisionError::Input`].
-    pub fn encode(&self, img: &PreprocessedImage) -> Result<Vec<f32>, VisionError> {
+    /// Guarantees, on the CPU backend, HF `Qwen3_5VisionModel(...).pooler_output` for this image
+    /// alone (f32 rounding level; images never attend to each other, so encoding them one by one
+    /// equals HF's packed batch); other backends match the CPU backend within their tolerances.
+    /// Inconsistent input (patch size, grid, pixel count) is a [`VisionError::Input`].
+    pub fn encode_with<B: VisionBackend>(
+        &self,
+        backend: &B,
+        weights: &DeviceVisionWeights<B>,
+        img: &PreprocessedImage,
+    ) -> Result<Vec<f32>, VisionError> {
         let c = &self.config;
         let [t, gh, gw] = img.grid_thw;
         let m = c.spatial_merge_size;
@@ -154,46 +286,45 @@ impl VisionTower {
             )));
         }
         let _s = tracing::debug_span!("vision_encode", t, gh, gw).entered();
-        let h = c.hidden_size;
-        let mut x = linear(
-            &img.pixels,
-            n,
-            c.patch_dim(),
-            &self.patch.0,
-            Some(&self.patch.1),
-            h,
-        );
+        let b = backend;
+        let w = &weights.layers;
+        let (h, hd) = (c.hidden_size, c.head_dim());
+        let frame = gh * gw;
+        let px = b.tensor_from_f32(&img.pixels, &[n, c.patch_dim()])?;
+        let x = linear(b, &px, &w.patch)?;
+        drop(px);
         let (rows, cols) = block_order_coords(gh, gw, m);
         let pos = self.resampled_positions(&rows, &cols, gh, gw);
-        for (xr, pr) in x.chunks_mut(h).zip(pos.chunks(h).cycle()) {
-            for (a, b) in xr.iter_mut().zip(pr) {
-                *a += b;
-            }
-        }
+        let pos: Vec<f32> = pos.iter().copied().cycle().take(n * h).collect();
+        let mut x = b.add(&x, &b.tensor_from_f32(&pos, &[n, h])?)?;
         let (cos, sin) = self.rotary(&rows, &cols);
-        for blk in &self.blocks {
-            x = self.block(blk, x, n, gh * gw, &cos, &sin);
+        let cos = b.tensor_from_f32(&cos, &[frame, hd])?;
+        let sin = b.tensor_from_f32(&sin, &[frame, hd])?;
+        let shape = VisionAttentionShape {
+            tokens: n,
+            frame,
+            heads: c.num_heads,
+            head_dim: hd,
+        };
+        let act = match c.hidden_act {
+            VisionAct::GeluTanh => Gelu::Tanh,
+            VisionAct::GeluErf => Gelu::Erf,
+        };
+        for blk in &w.blocks {
+            let y = b.layer_norm(&x, &blk.norm1.w, &blk.norm1.b, LN_EPS)?;
+            let qkv = linear(b, &y, &blk.qkv)?;
+            let attn = b.vision_attention(&qkv, &cos, &sin, &shape)?;
+            x = b.add(&x, &linear(b, &attn, &blk.proj)?)?;
+            let y = b.layer_norm(&x, &blk.norm2.w, &blk.norm2.b, LN_EPS)?;
+            let f = b.gelu(&linear(b, &y, &blk.fc1)?, act)?;
+            x = b.add(&x, &linear(b, &f, &blk.fc2)?)?;
         }
         // Merger: LayerNorm per patch, m² consecutive patches concatenated, fc1, exact GELU, fc2.
-        let y = layer_norm(&x, h, &self.merger_norm.0, &self.merger_norm.1, LN_EPS);
-        let mh = h * m * m;
-        let mut z = linear(
-            &y,
-            n / (m * m),
-            mh,
-            &self.merger_fc1.0,
-            Some(&self.merger_fc1.1),
-            mh,
-        );
-        z.par_iter_mut().for_each(|v| *v = gelu_erf(*v));
-        Ok(linear(
-            &z,
-            n / (m * m),
-            mh,
-            &self.merger_fc2.0,
-            Some(&self.merger_fc2.1),
-            c.out_hidden_size,
-        ))
+        let y = b.layer_norm(&x, &w.merger_norm.w, &w.merger_norm.b, LN_EPS)?;
+        let y = b.reshape(y, &[n / (m * m), h * m * m])?;
+        let z = b.gelu(&linear(b, &y, &w.merger_fc1)?, Gelu::Erf)?;
+        let out = linear(b, &z, &w.merger_fc2)?;
+        Ok(b.tensor_to_f32(&out)?)
     }
 
     /// The learned `side×side` table resampled (bilinear, align_corners) to the patch grid, one
@@ -258,129 +389,15 @@ impl VisionTower {
         }
         (cos, sin)
     }
-
-    fn block(
-        &self,
-        b: &Block,
-        x: Vec<f32>,
-        n: usize,
-        frame: usize,
-        cos: &[f32],
-        sin: &[f32],
-    ) -> Vec<f32> {
-        let c = &self.config;
-        let (h, heads, hd) = (c.hidden_size, c.num_heads, c.head_dim());
-        let y = layer_norm(&x, h, &b.norm1.0, &b.norm1.1, LN_EPS);
-        let mut qkv = linear(&y, n, h, &b.qkv.0, Some(&b.qkv.1), 3 * h);
-        // Rotary on q and k (rotate_half over the full head).
-        qkv.par_chunks_mut(3 * h).enumerate().for_each(|(i, row)| {
-            let pi = i % frame;
-            let (cs, sn) = (&cos[pi * hd..(pi + 1) * hd], &sin[pi * hd..(pi + 1) * hd]);
-            for s in 0..2 {
-                for head in 0..heads {
-                    let v = &mut row[s * h + head * hd..s * h + (head + 1) * hd];
-                    let half = hd / 2;
-                    let orig: Vec<f32> = v.to_vec();
-                    for d in 0..hd {
-                        let rot = if d < half {
-                            -orig[d + half]
-                        } else {
-                            orig[d - half]
-                        };
-                        v[d] = orig[d] * cs[d] + rot * sn[d];
-                    }
-                }
-            }
-        });
-        let attn = attention(&qkv, n, frame, h, heads);
-        let a = linear(&attn, n, h, &b.proj.0, Some(&b.proj.1), h);
-        let mut x: Vec<f32> = x.iter().zip(&a).map(|(u, v)| u + v).collect();
-        let y = layer_norm(&x, h, &b.norm2.0, &b.norm2.1, LN_EPS);
-        let mut f = linear(&y, n, h, &b.fc1.0, Some(&b.fc1.1), c.intermediate_size);
-        let act: fn(f32) -> f32 = match c.hidden_act {
-            VisionAct::GeluTanh => gelu_tanh,
-            VisionAct::GeluErf => gelu_erf,
-        };
-        f.par_iter_mut().for_each(|v| *v = act(*v));
-        let g = linear(&f, n, c.intermediate_size, &b.fc2.0, Some(&b.fc2.1), h);
-        for (u, v) in x.iter_mut().zip(&g) {
-            *u += v;
-        }
-        x
-    }
 }
 
-/// Query rows per attention task (bounds the score scratch to `QBLOCK × frame` floats).
-const QBLOCK: usize = 128;
-
-/// Bidirectional softmax attention within each frame of `frame` patches: `qkv` is `[n, 3h]`
-/// (q | k | v, head-major inside each), the result `[n, h]` head-major.
-fn attention(qkv: &[f32], n: usize, frame: usize, h: usize, heads: usize) -> Vec<f32> {
-    let hd = h / heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let blocks_per_frame = frame.div_ceil(QBLOCK);
-    let tasks: Vec<(usize, usize, usize)> = (0..n / frame)
-        .flat_map(|f| {
-            (0..heads).flat_map(move |head| (0..blocks_per_frame).map(move |bi| (f, head, bi)))
-        })
-        .collect();
-    let parts: Vec<(usize, usize, Vec<f32>)> = tasks
-        .par_iter()
-        .map(|&(f, head, bi)| {
-            let f0 = f * frame;
-            let q0 = f0 + bi * QBLOCK;
-            let rows = QBLOCK.min(f0 + frame - q0);
-            let mut s = vec![0f32; rows * frame];
-            let q = View {
-                data: qkv,
-                off: q0 * 3 * h + head * hd,
-                rs: 3 * h,
-                cs: 1,
-            };
-            let kt = View {
-                data: qkv,
-                off: f0 * 3 * h + h + head * hd,
-                rs: 1,
-                cs: 3 * h,
-            };
-            matmul(rows, frame, hd, &mut s, frame, q, kt, false);
-            for r in s.chunks_mut(frame) {
-                let mx = r.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-                let mut sum = 0f32;
-                for v in r.iter_mut() {
-                    *v = (*v * scale - mx).exp();
-                    sum += *v;
-                }
-                let inv = 1.0 / sum;
-                for v in r.iter_mut() {
-                    *v *= inv;
-                }
-            }
-            let mut o = vec![0f32; rows * hd];
-            let p = View {
-                data: &s,
-                off: 0,
-                rs: frame,
-                cs: 1,
-            };
-            let v = View {
-                data: qkv,
-                off: f0 * 3 * h + 2 * h + head * hd,
-                rs: 3 * h,
-                cs: 1,
-            };
-            matmul(rows, hd, frame, &mut o, hd, p, v, false);
-            (q0, head, o)
-        })
-        .collect();
-    let mut out = vec![0f32; n * h];
-    for (q0, head, o) in parts {
-        for (r, src) in o.chunks_exact(hd).enumerate() {
-            let d = (q0 + r) * h + head * hd;
-            out[d..d + hd].copy_from_slice(src);
-        }
-    }
-    out
+/// `x · wᵀ + b` (PyTorch `nn.Linear`).
+fn linear<B: VisionBackend>(
+    b: &B,
+    x: &B::Tensor,
+    p: &Pair<B::Weight>,
+) -> Result<B::Tensor, OpError> {
+    b.add_bias(&b.matmul(x, &p.w)?, &p.b)
 }
 
 /// (row, col) of each patch of one frame in the processor's order: merge blocks row-major, and
@@ -404,43 +421,6 @@ fn block_order_coords(gh: usize, gw: usize, m: usize) -> (Vec<usize>, Vec<usize>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn blocked_attention_matches_naive_across_frames_and_blocks() {
-        // 2 frames of 150 patches (two query blocks each), 3 heads × 8.
-        let (frame, heads, hd) = (150, 3, 8);
-        let (n, h) = (2 * frame, heads * hd);
-        let qkv: Vec<f32> = (0..n * 3 * h)
-            .map(|i| ((i * 2_654_435_761usize) % 1000) as f32 / 500.0 - 1.0)
-            .collect();
-        let got = attention(&qkv, n, frame, h, heads);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut worst = 0f64;
-        for i in 0..n {
-            let f0 = (i / frame) * frame;
-            for head in 0..heads {
-                let q = &qkv[i * 3 * h + head * hd..][..hd];
-                let s: Vec<f64> = (f0..f0 + frame)
-                    .map(|j| {
-                        let k = &qkv[j * 3 * h + h + head * hd..][..hd];
-                        q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() * scale
-                    })
-                    .collect();
-                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let want: f64 = (0..frame)
-                        .map(|j| {
-                            e[j] / z * f64::from(qkv[(f0 + j) * 3 * h + 2 * h + head * hd + d])
-                        })
-                        .sum();
-                    worst = worst.max((want - f64::from(got[i * h + head * hd + d])).abs());
-                }
-            }
-        }
-        assert!(worst < 1e-5, "max |diff| {worst}");
-    }
 
     #[test]
     fn block_order_matches_hf_reshape() {
