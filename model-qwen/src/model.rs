@@ -379,21 +379,35 @@ impl<B: ModelBackend> QwenModel<B> {
         kv: &mut K,
         logits: LogitRows,
     ) -> Result<ForwardOutput<B>, ModelError> {
-        let mtp = self.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let _s = tracing::debug_span!("mtp_forward", t = next_tokens.len()).entered();
         self.check_inputs(next_tokens, positions)?;
+        let e = self.embed_tokens(b, next_tokens)?;
+        self.mtp_forward_embedded(b, e, hidden, positions, kv, logits)
+    }
+
+    /// The MTP head on the next tokens' input embeddings `e` `[T, H]`.
+    pub(crate) fn mtp_forward_embedded<K: AttentionKv<B>>(
+        &self,
+        b: &B,
+        e: B::Tensor,
+        hidden: &B::Tensor,
+        positions: &[Position3],
+        kv: &mut K,
+        logits: LogitRows,
+    ) -> Result<ForwardOutput<B>, ModelError> {
+        let mtp = self.mtp.as_ref().ok_or(ModelError::NoMtp)?;
+        let t = positions.len();
+        let _s = tracing::debug_span!("mtp_forward", t).entered();
         let (h, eps) = (self.config.hidden_size, self.config.rms_norm_eps);
-        if hidden.numel() != next_tokens.len() * h {
+        if hidden.numel() != t * h || e.numel() != t * h {
             return Err(ModelError::Input(format!(
-                "hidden {:?} is not [{}, {h}]",
+                "hidden {:?} / embeddings {:?} are not [{t}, {h}]",
                 hidden.dims(),
-                next_tokens.len()
+                e.dims()
             )));
         }
-        let e = self.embed_tokens(b, next_tokens)?;
         let e = b.rms_norm(&e, &mtp.pre_fc_norm_embedding, eps, 1.0)?;
         let hn = b.rms_norm(hidden, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
-        let hn = b.reshape(hn, &[next_tokens.len(), h])?;
+        let hn = b.reshape(hn, &[t, h])?;
         let x = b.matmul(&b.concat_cols(&e, &hn)?, &mtp.fc)?;
         let x = mtp.layer.forward(
             b,

@@ -5,8 +5,8 @@
 use kvstream_backend_cpu::CpuBackend;
 use kvstream_memory_contracts::ops::{Position3, SamplingOps, TensorOps};
 use kvstream_model_qwen::{
-    AttentionKv, AttentionPhase, LoadOptions, LogitRows, QwenModel, RecurrentState, ResidentKv,
-    ResidentKvOptions,
+    AttentionKv, AttentionPhase, ImageEmbeds, LoadOptions, LogitRows, QwenModel, RecurrentState,
+    ResidentKv, ResidentKvOptions,
 };
 use safetensors::{Dtype, SafeTensors};
 use std::path::PathBuf;
@@ -212,6 +212,96 @@ fn mtp(name: &str) {
     assert_eq!(kv.len(s.model.config().n_attention_layers()), n);
 }
 
+/// `mtp_forward_multimodal`: rows whose next token is the "placeholder" embed the given rows.
+/// With the placeholder's own table rows it is bit-identical to `mtp_forward`; with other rows
+/// the logits change.
+fn mtp_image_rows(name: &str) {
+    let s = setup(name);
+    let ids = s.oracle.ids("ids");
+    let n = 24.min(ids.len() - 1);
+    let next = &ids[1..=n];
+    let placeholder = next[n / 2];
+    let k = next.iter().filter(|&&t| t == placeholder).count();
+    let own = s
+        .model
+        .embedding()
+        .gather(&vec![placeholder; k])
+        .expect("rows");
+    let other: Vec<f32> = own.iter().map(|v| -0.5 * v + 0.01).collect();
+    let run = |rows: Option<&[f32]>| {
+        let (mut st, mut kv) = (s.state(), s.kv());
+        let out = s
+            .model
+            .forward(
+                &s.b,
+                &ids[..n],
+                &pos(0..n),
+                AttentionPhase::Prefill,
+                &mut st,
+                &mut kv,
+                LogitRows::None,
+                None,
+            )
+            .expect("forward");
+        let m = match rows {
+            None => {
+                s.model
+                    .mtp_forward(&s.b, next, &out.hidden, &pos(0..n), &mut kv, LogitRows::All)
+            }
+            Some(rows) => s.model.mtp_forward_multimodal(
+                &s.b,
+                next,
+                ImageEmbeds {
+                    token_id: placeholder,
+                    rows,
+                },
+                &out.hidden,
+                &pos(0..n),
+                &mut kv,
+                LogitRows::All,
+            ),
+        }
+        .expect("mtp");
+        s.b.tensor_to_f32(&m.logits.expect("logits")).expect("dl")
+    };
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let plain = run(None);
+    assert_eq!(bits(&run(Some(&own))), bits(&plain), "{name}: own rows");
+    let changed = run(Some(&other));
+    assert!(max_diff(&changed, &plain) > 1e-4, "{name}: rows ignored");
+    // A wrong row count is a typed error, not a panic.
+    let (mut st, mut kv) = (s.state(), s.kv());
+    let out = s
+        .model
+        .forward(
+            &s.b,
+            &ids[..n],
+            &pos(0..n),
+            AttentionPhase::Prefill,
+            &mut st,
+            &mut kv,
+            LogitRows::None,
+            None,
+        )
+        .expect("forward");
+    let bad = ImageEmbeds {
+        token_id: placeholder,
+        rows: &own[1..],
+    };
+    assert!(s
+        .model
+        .mtp_forward_multimodal(
+            &s.b,
+            next,
+            bad,
+            &out.hidden,
+            &pos(0..n),
+            &mut kv,
+            LogitRows::All
+        )
+        .is_err());
+}
+
 fn generate(name: &str) {
     let s = setup(name);
     let prompt = s.oracle.ids("gen_prompt");
@@ -363,6 +453,10 @@ macro_rules! fixture_tests {
             #[test]
             fn mtp_logits_match_hf() {
                 super::mtp($name);
+            }
+            #[test]
+            fn mtp_image_rows_replace_placeholder_embeddings() {
+                super::mtp_image_rows($name);
             }
             #[test]
             fn greedy_generation_matches_hf() {

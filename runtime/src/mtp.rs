@@ -32,10 +32,28 @@ use crate::{Flow, StopReason, TokenEvent};
 use kvstream_memory_contracts::error::CapabilityError;
 use kvstream_memory_contracts::ops::ModelBackend;
 use kvstream_model_qwen::weights::Checkpoint;
-use kvstream_model_qwen::{AttentionPhase, LogitRows, QwenConfig};
+use kvstream_model_qwen::{AttentionPhase, ImageEmbeds, LogitRows, QwenConfig};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::path::Path;
+
+/// The rows of `rows` (one `h`-wide row per `token_id` in `c`, in order) that belong to the
+/// placeholders inside `c[range]`; `None` when that range holds none (or `rows` is too short,
+/// which the model then reports as a typed row-count error).
+fn placeholder_rows<'r>(
+    c: &[u32],
+    range: std::ops::Range<usize>,
+    token_id: u32,
+    rows: &'r [f32],
+    h: usize,
+) -> Option<&'r [f32]> {
+    let count = |s: &[u32]| s.iter().filter(|&&t| t == token_id).count();
+    let before = count(c.get(..range.start)?);
+    let k = count(c.get(range)?);
+    (k > 0)
+        .then(|| rows.get(before * h..(before + k) * h))
+        .flatten()
+}
 
 /// Fails with a [`CapabilityError`] (operation `spec_draft_mtp`) unless the model has exactly
 /// one MTP layer and its checkpoint holds the `mtp.*` weights. Reads only the checkpoint's
@@ -93,20 +111,45 @@ impl<B: ModelBackend> Engine<B> {
         hidden: &B::Tensor,
         rows: LogitRows,
     ) -> Result<StepOut<B>> {
+        self.mtp_step_with(next_tokens, None, hidden, rows)
+    }
+
+    /// [`Engine::mtp_step`] where the next tokens may be image placeholders: `image` holds their
+    /// vision rows (one per placeholder of `next_tokens`, in order), which the MTP head embeds
+    /// instead of the placeholder id.
+    pub(crate) fn mtp_step_with(
+        &mut self,
+        next_tokens: &[u32],
+        image: Option<ImageEmbeds<'_>>,
+        hidden: &B::Tensor,
+        rows: LogitRows,
+    ) -> Result<StepOut<B>> {
         let _span = tracing::debug_span!("mtp_step", t = next_tokens.len()).entered();
         let p0 = self.kv.mtp_tokens();
         // The MTP head gets the target's positions (M-RoPE after images).
         let positions = self.mm.positions.range(p0, next_tokens.len());
         self.kv
             .begin_step(&self.backend, AttentionPhase::Mtp, next_tokens.len())?;
-        let out = match self.model.mtp_forward(
-            &self.backend,
-            next_tokens,
-            hidden,
-            &positions,
-            &mut self.kv,
-            rows,
-        ) {
+        let out = match image {
+            Some(image) => self.model.mtp_forward_multimodal(
+                &self.backend,
+                next_tokens,
+                image,
+                hidden,
+                &positions,
+                &mut self.kv,
+                rows,
+            ),
+            None => self.model.mtp_forward(
+                &self.backend,
+                next_tokens,
+                hidden,
+                &positions,
+                &mut self.kv,
+                rows,
+            ),
+        };
+        let out = match out {
             Ok(o) => o,
             Err(e) => {
                 self.kv.abort_step(&self.backend);
@@ -133,16 +176,43 @@ impl<B: ModelBackend> Engine<B> {
         hidden: &B::Tensor,
         rows: LogitRows,
     ) -> Result<Vec<f32>> {
+        self.mtp_prefill_chunk_with(c, None, hidden, rows)
+    }
+
+    /// [`Engine::mtp_prefill_chunk`] for a chunk holding image placeholders: `image.rows` are
+    /// the vision rows of the chunk's placeholders, in order; each MTP row whose next token is a
+    /// placeholder embeds its vision row (as vLLM's multimodal MTP drafter does), so drafts after
+    /// an image see what the target saw.
+    pub(crate) fn mtp_prefill_chunk_with(
+        &mut self,
+        c: &[u32],
+        image: Option<ImageEmbeds<'_>>,
+        hidden: &B::Tensor,
+        rows: LogitRows,
+    ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
+        // The placeholder rows of c[..1] and of c[1..].
+        let h = self.config.hidden_size();
+        let split = |range: std::ops::Range<usize>| -> Option<ImageEmbeds<'_>> {
+            let img = image.as_ref()?;
+            let rows = placeholder_rows(c, range, img.token_id, img.rows, h)?;
+            Some(ImageEmbeds {
+                token_id: img.token_id,
+                rows,
+            })
+        };
         if let Some(tail) = self.mtp_tail.take() {
-            if let Some(l) = self.mtp_step(&c[..1], &tail, rows)?.logits {
+            if let Some(l) = self
+                .mtp_step_with(&c[..1], split(0..1), &tail, rows)?
+                .logits
+            {
                 out.extend(l);
             }
         }
         let n = c.len();
         if n > 1 {
             let h = self.backend.rows(hidden, 0, n - 1)?;
-            if let Some(l) = self.mtp_step(&c[1..], &h, rows)?.logits {
+            if let Some(l) = self.mtp_step_with(&c[1..], split(1..n), &h, rows)?.logits {
                 out.extend(l);
             }
         }
@@ -447,6 +517,31 @@ mod tests {
     use kvstream_memory_contracts::kv::format::KvType;
     use kvstream_memory_contracts::ops::TensorOps;
     use std::path::PathBuf;
+
+    #[test]
+    fn placeholder_rows_follow_the_chunk_split() {
+        // Placeholder 9, rows of width 2 numbered by placeholder: [0,0], [1,1], [2,2].
+        let c = [9, 5, 9, 9, 7];
+        let rows = [0., 0., 1., 1., 2., 2.];
+        assert_eq!(placeholder_rows(&c, 0..1, 9, &rows, 2), Some(&rows[0..2]));
+        assert_eq!(placeholder_rows(&c, 1..5, 9, &rows, 2), Some(&rows[2..6]));
+        assert_eq!(placeholder_rows(&c, 3..4, 9, &rows, 2), Some(&rows[4..6]));
+        assert_eq!(
+            placeholder_rows(&c, 1..2, 9, &rows, 2),
+            None,
+            "no placeholder"
+        );
+        assert_eq!(
+            placeholder_rows(&c, 0..5, 9, &rows[..4], 2),
+            None,
+            "too few rows"
+        );
+        assert_eq!(
+            placeholder_rows(&c, 4..9, 9, &rows, 2),
+            None,
+            "range past the chunk"
+        );
+    }
 
     fn fixture(name: &str) -> PathBuf {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");

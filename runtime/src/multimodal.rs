@@ -43,8 +43,10 @@
 //! they fit `resident_budget_bytes` (no reload per image; the loan then only covers the
 //! workspace). The resident weights are reported in [`VisionStats::resident_weight_bytes`].
 //!
-//! MTP caveat: the MTP head embeds the `<|image_pad|>` token id for image rows (it has no image
-//! embedding input); that only affects draft quality, never the verified output.
+//! MTP after images: the MTP head's rows whose next token is an `<|image_pad|>` embed that
+//! image row's vision embedding (as the target's input did, and as vLLM's multimodal MTP drafter
+//! does), not the placeholder id; either way only draft quality depends on it, never the
+//! verified output.
 
 use crate::chat::expand_image_pads;
 use crate::engine::{from_model, Emitter, Engine, GenerateRequest, GenerateResult, StepOut};
@@ -641,7 +643,11 @@ impl<B: ModelBackend> Engine<B> {
             };
             let step = self.step_multimodal(c, pad, chunk_rows, want)?;
             if self.model.has_mtp() {
-                self.mtp_prefill_chunk(c, &step.hidden, LogitRows::None)?;
+                let image = ImageEmbeds {
+                    token_id: pad,
+                    rows: chunk_rows,
+                };
+                self.mtp_prefill_chunk_with(c, Some(image), &step.hidden, LogitRows::None)?;
             }
             if let Some(l) = step.logits {
                 last = l;

@@ -46,25 +46,7 @@ impl<B: ModelBackend> QwenModel<B> {
                 self.config.n_linear_layers()
             )));
         }
-        let h = self.config.hidden_size;
-        let n_pad = tokens.iter().filter(|&&x| x == image.token_id).count();
-        if image.rows.len() != n_pad * h {
-            return Err(ModelError::Input(format!(
-                "{n_pad} image placeholder tokens need {} embedding values ({n_pad} × {h}), got {}",
-                n_pad * h,
-                image.rows.len()
-            )));
-        }
-        let mut vals = self.embed.gather(tokens)?;
-        let mut next = image.rows.chunks_exact(h);
-        for (row, &tok) in vals.chunks_exact_mut(h).zip(tokens) {
-            if tok == image.token_id {
-                if let Some(src) = next.next() {
-                    row.copy_from_slice(src);
-                }
-            }
-        }
-        let mut x = b.tensor_from_f32(&vals, &[t, h])?;
+        let mut x = self.embed_with_images(b, tokens, &image)?;
         let mode = if t == 1 {
             DeltaMode::Recurrent
         } else {
@@ -85,5 +67,52 @@ impl<B: ModelBackend> QwenModel<B> {
         let hidden = b.rms_norm(&x, &self.norm, self.config.rms_norm_eps, 1.0)?;
         let logits = self.logits(b, &hidden, logits)?;
         Ok(ForwardOutput { hidden, logits })
+    }
+
+    /// The input embeddings of `tokens` with every `image.token_id` row replaced, in order, by
+    /// the next row of `image.rows` (host gather, one upload).
+    fn embed_with_images(
+        &self,
+        b: &B,
+        tokens: &[u32],
+        image: &ImageEmbeds<'_>,
+    ) -> Result<B::Tensor, ModelError> {
+        let h = self.config.hidden_size;
+        let n_pad = tokens.iter().filter(|&&x| x == image.token_id).count();
+        if image.rows.len() != n_pad * h {
+            return Err(ModelError::Input(format!(
+                "{n_pad} image placeholder tokens need {} embedding values ({n_pad} × {h}), got {}",
+                n_pad * h,
+                image.rows.len()
+            )));
+        }
+        let mut vals = self.embed.gather(tokens)?;
+        let mut next = image.rows.chunks_exact(h);
+        for (row, &tok) in vals.chunks_exact_mut(h).zip(tokens) {
+            if tok == image.token_id {
+                if let Some(src) = next.next() {
+                    row.copy_from_slice(src);
+                }
+            }
+        }
+        Ok(b.tensor_from_f32(&vals, &[tokens.len(), h])?)
+    }
+
+    /// [`QwenModel::mtp_forward`] for rows whose next token is an image placeholder: those rows
+    /// embed the image's vision rows (`image.rows`, one per placeholder of `next_tokens`, in
+    /// order) instead of the `<|image_pad|>` id, as the target's own input did.
+    pub fn mtp_forward_multimodal<K: AttentionKv<B>>(
+        &self,
+        b: &B,
+        next_tokens: &[u32],
+        image: ImageEmbeds<'_>,
+        hidden: &B::Tensor,
+        positions: &[Position3],
+        kv: &mut K,
+        logits: LogitRows,
+    ) -> Result<ForwardOutput<B>, ModelError> {
+        self.check_inputs(next_tokens, positions)?;
+        let e = self.embed_with_images(b, next_tokens, &image)?;
+        self.mtp_forward_embedded(b, e, hidden, positions, kv, logits)
     }
 }
