@@ -160,7 +160,9 @@ impl<B: ModelBackend> Generator for EngineGenerator<B> {
         params: &GenParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Outcome, ApiError> {
-        let req = request(prompt, params);
+        let mut req = request(prompt, params);
+        // Image rows match by content, so a follow-up turn about the same images reuses them.
+        req.reuse_prefix = true;
         let r = self
             .engine
             .generate_multimodal(&req, images, |ev| {

@@ -24,6 +24,16 @@
 //!    shifts every later row by the prompt's `rope_delta`); the MTP head, when speculating, gets
 //!    exactly the same positions as the target (row i at the target's position i).
 //!
+//! ## Prompt cache with images
+//! With [`crate::GenerateRequest::reuse_prefix`] the text prompt cache ([`crate::prompt_cache`])
+//! applies: the session records a cache key per row ([`row_keys`]: the token id for text, a
+//! content-derived key above every vocabulary id for each image row), so a prefix matches only
+//! where the same images (by a 64-bit hash of their preprocessed pixels) sit at the same rows.
+//! Images wholly inside the reused prefix are not encoded again (no loan); one cut by the prefix
+//! is encoded and its rows from the cut on are prefilled. A multimodal prefill with the cache
+//! saves the prompt checkpoint after all but its last row, as the text path does; the server
+//! turns the cache on for image requests too.
+//!
 //! ## Where the encoder runs
 //! On the engine's backend ([`VisionTower::encode_with`], generic over
 //! [`kvstream_model_qwen::VisionBackend`]): the CPU backend computes it on the host (the HF-checked
@@ -219,9 +229,30 @@ impl<B: Backend> std::fmt::Debug for MultimodalState<B> {
 pub struct ImageInput {
     image: PreprocessedImage,
     tokens: usize,
+    /// 64-bit hash of the preprocessed pixels and grid (the prompt cache's image identity).
+    hash: u64,
 }
 
 impl ImageInput {
+    fn new(image: PreprocessedImage, tokens: usize) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        image.grid_thw.hash(&mut h);
+        image.patch_dim.hash(&mut h);
+        for v in &image.pixels {
+            v.to_bits().hash(&mut h);
+        }
+        let hash = h.finish();
+        Self {
+            image,
+            tokens,
+            hash,
+        }
+    }
+    /// The image's identity for the prompt cache: a 64-bit hash of its preprocessed pixels.
+    pub fn content_hash(&self) -> u64 {
+        self.hash
+    }
     /// Patch grid (t, h, w).
     pub fn grid_thw(&self) -> [usize; 3] {
         self.image.grid_thw
@@ -416,7 +447,7 @@ impl<B: ModelBackend> Engine<B> {
         let _span = tracing::debug_span!("image_preprocess", bytes = bytes.len()).entered();
         let image = preprocess(bytes, pc)?;
         let tokens = image.n_tokens(merge);
-        Ok(ImageInput { image, tokens })
+        Ok(ImageInput::new(image, tokens))
     }
 
     /// Token ids of chat `messages` whose contents hold one
@@ -499,6 +530,23 @@ impl<B: ModelBackend> Engine<B> {
             rows.extend(out?);
         }
         Ok(rows)
+    }
+
+    /// [`Engine::encode_images`] of the images whose placeholder run (`runs`, one per image)
+    /// reaches past row `from`: the others lie wholly in the reused prefix.
+    fn encode_rows_after(
+        &mut self,
+        images: &[ImageInput],
+        runs: &[std::ops::Range<usize>],
+        from: usize,
+    ) -> Result<Vec<f32>> {
+        let needed: Vec<ImageInput> = images
+            .iter()
+            .zip(runs)
+            .filter(|(_, r)| r.end > from)
+            .map(|(img, _)| img.clone())
+            .collect();
+        self.encode_images(&needed)
     }
 
     fn encode_on_loan(
@@ -586,8 +634,10 @@ impl<B: ModelBackend> Engine<B> {
     ) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         let grids = self.check_image_runs(tokens, images)?;
+        let pad = self.vision_config()?.image_token_id;
+        let keys = row_keys(tokens, pad, images);
         let rows = self.encode_images(images)?;
-        self.prefill_multimodal(tokens, &grids, &rows)
+        self.prefill_multimodal(tokens, &keys, &grids, &rows, 0, false)
     }
 
     /// Checks the prompt's placeholder runs against the images (before any work); returns the
@@ -604,44 +654,73 @@ impl<B: ModelBackend> Engine<B> {
         Ok(grids)
     }
 
-    /// Resets the session and prefills `tokens` with the image rows at M-RoPE positions.
+    /// Prefills `tokens` with the image rows at M-RoPE positions from row `start` on (rows
+    /// before it are the session's, reused by the prompt cache; 0 starts a fresh session).
+    /// `rows` holds the vision rows of the placeholders at or after `start`, in order. Saves the
+    /// prompt checkpoint after all but the last row (when `checkpoint`), so the same images and
+    /// text again reuse everything but the last row. The session's cache keys of image rows are
+    /// [`row_keys`] (never a text token id), so a text-only prompt never matches them.
     fn prefill_multimodal(
         &mut self,
         tokens: &[u32],
+        keys: &[u32],
         grids: &[[usize; 3]],
         rows: &[f32],
+        start: usize,
+        checkpoint: bool,
     ) -> Result<Vec<f32>> {
         let vc = self.vision_config()?.clone();
         let h = self.config.hidden_size();
         let pad = vc.image_token_id;
-        let n_pad = tokens.iter().filter(|&&t| t == pad).count();
-        if rows.len() != n_pad * h {
+        let n_pad = tokens[start..].iter().filter(|&&t| t == pad).count();
+        if rows.len() != n_pad * h || keys.len() != tokens.len() || start >= tokens.len() {
             return Err(RuntimeError::InvalidRequest(format!(
-                "{n_pad} image tokens but {} embedding rows",
+                "{n_pad} image tokens after row {start} of {} but {} embedding rows",
+                tokens.len(),
                 rows.len() / h.max(1)
             )));
         }
         let pos = mrope_positions(tokens, grids, &vc, 0)
             .map_err(|e| RuntimeError::InvalidRequest(format!("image placeholders: {e}")))?;
-        self.reset()?;
+        if start == 0 {
+            self.reset()?;
+        }
         self.mm.positions.set(pos.positions, pos.rope_delta);
         self.kv.set_planned_tokens(tokens.len());
         self.kv.set_phase(&self.backend, Phase::Prefill)?;
+        let body = tokens.len() - 1;
         let chunk = self.cfg.prefill_chunk.max(1);
-        let n_chunks = tokens.len().div_ceil(chunk);
+        // Chunk boundaries: every `chunk` rows from `start`, and one at `body` when the
+        // checkpoint is taken there.
+        let mut bounds: Vec<usize> = (start..tokens.len()).step_by(chunk).collect();
+        if checkpoint && body > start && !bounds.contains(&body) {
+            bounds.push(body);
+            bounds.sort_unstable();
+        }
+        bounds.push(tokens.len());
         let mut used_rows = 0usize;
         let mut last = Vec::new();
-        for (i, c) in tokens.chunks(chunk).enumerate() {
+        for (i, w) in bounds.windows(2).enumerate() {
+            let (lo, hi) = (w[0], w[1]);
+            let c = &tokens[lo..hi];
             let _span = tracing::debug_span!("mm_prefill_chunk", i, len = c.len()).entered();
+            let due = checkpoint && body > 0 && lo == body;
+            if due && self.prompt_cp.as_ref().is_none_or(|cp| cp.pos != body) {
+                self.save_prompt_checkpoint()?;
+            }
             let k = c.iter().filter(|&&t| t == pad).count();
             let chunk_rows = &rows[used_rows * h..(used_rows + k) * h];
             used_rows += k;
-            let want = if i + 1 == n_chunks {
+            let want = if hi == tokens.len() {
                 LogitRows::Last
             } else {
                 LogitRows::None
             };
             let step = self.step_multimodal(c, pad, chunk_rows, want)?;
+            // Image rows depend on pixels the token ids do not show: the session records their
+            // cache keys instead.
+            let n = self.session_tokens.len();
+            self.session_tokens[n - c.len()..].copy_from_slice(&keys[lo..hi]);
             if self.model.has_mtp() {
                 let image = ImageEmbeds {
                     token_id: pad,
@@ -652,19 +731,13 @@ impl<B: ModelBackend> Engine<B> {
             if let Some(l) = step.logits {
                 last = l;
             }
-            let done = (i * chunk + c.len()).min(tokens.len());
             if let Some(cb) = self.prefill_progress.as_mut() {
-                cb(done, tokens.len());
+                cb(hi, tokens.len());
             }
         }
-        // Image rows depend on pixels the token ids do not show: keep them out of the prompt
-        // cache's prefix matching.
-        for (s, &t) in self.session_tokens.iter_mut().zip(tokens) {
-            if t == pad {
-                *s = u32::MAX;
-            }
+        if !checkpoint {
+            self.prompt_cp = None;
         }
-        self.prompt_cp = None;
         Ok(last)
     }
 
@@ -733,7 +806,10 @@ impl<B: ModelBackend> Engine<B> {
     /// tokenized) must hold one run of `images[i].n_tokens()` `<|image_pad|>` tokens per image
     /// (see [`Engine::chat_tokens_with_images`]). Encodes the images through arena loans, then
     /// prefills and decodes in a fresh session (plain or MTP-speculative as configured).
-    /// `req.reuse_prefix` is ignored (image rows are never reused). Errors before the prefill
+    /// With `req.reuse_prefix` the prompt cache applies as for text ([`Engine::generate`]): image
+    /// rows match by the image's content hash and row, so the same images (and text) again reuse
+    /// the session's KV and recurrent state, and images wholly inside the reused prefix are not
+    /// encoded again. Errors before the prefill
     /// ([`RuntimeError::ImageTooLarge`], [`RuntimeError::Image`], placeholder mismatches) leave
     /// the previous session as it was.
     pub fn generate_multimodal(
@@ -760,12 +836,42 @@ impl<B: ModelBackend> Engine<B> {
             stop_at_eos: req.stop_at_eos,
         };
         let t = Instant::now();
-        let rows = self.encode_images(images)?;
+        let pad = self.vision_config()?.image_token_id;
+        let keys = row_keys(&prompt, pad, images);
         if req.n_predict == 0 {
+            self.encode_images(images)?;
             return Ok(self.result(prompt, em.generated, em.text, StopReason::Length, 0));
         }
-        let last = self.prefill_multimodal(&prompt, &grids, &rows)?;
-        self.stats.prefill_tokens = prompt.len() as u64;
+        // Encode before touching the session (an image error leaves it as it was), only the
+        // images that reach past the reusable prefix, keeping their rows from there on.
+        let reusable = if req.reuse_prefix {
+            self.reusable_prefix(&keys)
+        } else {
+            0
+        };
+        let runs = image_runs(&prompt, pad, images);
+        let mut encoded = self.encode_rows_after(images, &runs, reusable)?;
+        let cached = if reusable > 0 {
+            self.reuse_prefix(&keys)?
+        } else {
+            0
+        };
+        if cached != reusable {
+            // The restore failed (the session was reset): encode what the prefix held too.
+            encoded = self.encode_rows_after(images, &runs, cached)?;
+        }
+        let h = self.config.hidden_size();
+        let mut rows = Vec::new();
+        let mut at = 0usize;
+        for r in runs.iter().filter(|r| r.end > cached) {
+            let n = r.end - r.start;
+            let skip = cached.saturating_sub(r.start).min(n);
+            rows.extend_from_slice(&encoded[(at + skip) * h..(at + n) * h]);
+            at += n;
+        }
+        let last =
+            self.prefill_multimodal(&prompt, &keys, &grids, &rows, cached, req.reuse_prefix)?;
+        self.stats.prefill_tokens = (prompt.len() - cached) as u64;
         self.stats.prefill_seconds = t.elapsed().as_secs_f64();
         let t = Instant::now();
         self.kv
@@ -780,8 +886,40 @@ impl<B: ModelBackend> Engine<B> {
         if let Some(c) = &self.codec {
             text = c.decode(&em.generated, true)?;
         }
-        Ok(self.result(prompt, em.generated, text, stop, 0))
+        Ok(self.result(prompt, em.generated, text, stop, cached))
     }
+}
+
+/// The row range of each image's placeholder run in `tokens` (images in order).
+fn image_runs(tokens: &[u32], pad: u32, images: &[ImageInput]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::with_capacity(images.len());
+    let mut i = 0usize;
+    for img in images {
+        while i < tokens.len() && tokens[i] != pad {
+            i += 1;
+        }
+        let end = (i + img.n_tokens()).min(tokens.len());
+        out.push(i..end);
+        i = end;
+    }
+    out
+}
+
+/// The prompt cache's key of every row: the token id for text, and for the placeholder rows of
+/// image j, row r of its run: `0x8000_0000 | hash31(image j's content hash, r)` — above every
+/// vocabulary id, so text never matches an image row, and two images match row by row only
+/// when their content hashes (64-bit) agree.
+pub(crate) fn row_keys(tokens: &[u32], pad: u32, images: &[ImageInput]) -> Vec<u32> {
+    use std::hash::{Hash, Hasher};
+    let mut keys = tokens.to_vec();
+    for (img, run) in images.iter().zip(image_runs(tokens, pad, images)) {
+        for (r, k) in keys[run].iter_mut().enumerate() {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (img.content_hash(), r).hash(&mut h);
+            *k = 0x8000_0000 | (h.finish() as u32 & 0x7fff_ffff);
+        }
+    }
+    keys
 }
 
 #[cfg(test)]

@@ -77,27 +77,41 @@ impl<B: ModelBackend> Engine<B> {
         Ok((cached, last))
     }
 
-    /// Prepares the session for `prompt`: keeps or restores the longest reusable prefix and
-    /// returns its length (0: nothing reusable, the caller prefills from scratch).
-    pub(crate) fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
+    /// How many rows of `prompt` [`Engine::reuse_prefix`] would reuse, without changing anything
+    /// (0: none). The multimodal path uses it to skip encoding images inside the prefix.
+    pub(crate) fn reusable_prefix(&self, prompt: &[u32]) -> usize {
+        self.reusable(prompt).0
+    }
+
+    /// (reusable rows, whether they are the current point rather than the prompt checkpoint).
+    fn reusable(&self, prompt: &[u32]) -> (usize, bool) {
         if !self.session_ok
             || self.session_tokens.is_empty()
             || self.session_tokens.len() != self.kv.committed_tokens()
         {
-            return Ok(0);
+            return (0, false);
         }
         let c = common_prefix(&self.session_tokens, prompt);
-        let _span = tracing::debug_span!("prompt_cache", common = c).entered();
         if self.cfg.spec.is_none() && c == self.session_tokens.len() && c < prompt.len() {
-            return Ok(c);
+            return (c, true);
+        }
+        match &self.prompt_cp {
+            Some(cp) if cp.pos > 0 && cp.pos <= c && cp.pos < prompt.len() => (cp.pos, false),
+            _ => (0, false),
+        }
+    }
+
+    /// Prepares the session for `prompt`: keeps or restores the longest reusable prefix and
+    /// returns its length (0: nothing reusable, the caller prefills from scratch).
+    pub(crate) fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
+        let (n, at_current_point) = self.reusable(prompt);
+        let _span = tracing::debug_span!("prompt_cache", reusable = n).entered();
+        if n == 0 || at_current_point {
+            return Ok(n);
         }
         let Some(cp) = self.prompt_cp.take() else {
             return Ok(0);
         };
-        if cp.pos == 0 || cp.pos > c || cp.pos >= prompt.len() {
-            self.prompt_cp = Some(cp);
-            return Ok(0);
-        }
         let pos = cp.pos;
         let restored = (|| -> Result<()> {
             self.kv.truncate(&self.backend, pos)?;

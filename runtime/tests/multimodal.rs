@@ -69,7 +69,10 @@ fn greedy(n: usize) -> GenerateRequest {
 
 /// tiny-vl + an MTP head (layer 3's weights as its attention/MLP, a pseudo-random `fc`).
 fn vl_with_mtp() -> PathBuf {
-    let out = std::env::temp_dir().join(format!("kvstream-vl-mtp-{}", std::process::id()));
+    // One directory per call: tests run in parallel and each removes its own.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = std::env::temp_dir().join(format!("kvstream-vl-mtp-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).expect("mkdir");
     for f in ["preprocessor_config.json", "generation_config.json"] {
@@ -400,4 +403,105 @@ fn multimodal_session_logits_match_hf_and_decode_continues_at_next_position() {
         d_wrong > 10.0 * d_right.max(1e-6),
         "text-only positions must differ measurably ({d_wrong} vs {d_right})"
     );
+}
+
+/// The prompt cache with images (`reuse_prefix`): image rows match by content, not by the
+/// placeholder id. The same image again reuses all but the last row and encodes nothing; an image
+/// of the same size with other pixels is never mistaken for it; a follow-up turn continues at the
+/// current point without re-encoding. Every output equals a fresh engine's.
+#[test]
+fn prompt_cache_matches_images_by_content() {
+    let cfg = config(&vl_dir(), false, None);
+    let mut e = Engine::load(CpuBackend::new(), cfg.clone()).expect("load");
+    let pad = 250u32;
+    let a = images(&mut e, &["img_a.png"]);
+    let c = images(&mut e, &["img_c.png"]);
+    assert_eq!(
+        a[0].grid_thw(),
+        c[0].grid_thw(),
+        "img_c resizes to img_a's grid"
+    );
+    assert_ne!(a[0].content_hash(), c[0].content_hash());
+    let text = |n: u32, seed: u32| -> Vec<u32> { (0..n).map(|i| (i * 31 + seed) % 240).collect() };
+    let mut p = text(5, 3);
+    p.extend(vec![pad; a[0].n_tokens()]);
+    p.extend(text(4, 11));
+    let req = |p: &[u32], reuse: bool| {
+        let mut r = GenerateRequest::new(Prompt::Tokens(p.to_vec()), 6);
+        r.stop_at_eos = false;
+        r.reuse_prefix = reuse;
+        r
+    };
+    let go = |e: &mut Engine<CpuBackend>, p: &[u32], imgs: &[ImageInput], reuse: bool| {
+        e.generate_multimodal(&req(p, reuse), imgs, |_| kvstream_runtime::Flow::Continue)
+            .expect("generate")
+    };
+    let fresh = |p: &[u32], imgs: &[ImageInput]| {
+        let mut f = Engine::load(CpuBackend::new(), cfg.clone()).expect("load");
+        go(&mut f, p, imgs, false).tokens
+    };
+
+    let r1 = go(&mut e, &p, &a, true);
+    assert_eq!(r1.cached_tokens, 0);
+    assert_eq!(r1.tokens, fresh(&p, &a));
+
+    let r2 = go(&mut e, &p, &a, true);
+    assert_eq!(
+        r2.cached_tokens,
+        p.len() - 1,
+        "same image: all but the last row"
+    );
+    assert_eq!(r2.tokens, r1.tokens);
+    assert!(e.vision_stats().loans.is_empty(), "nothing re-encoded");
+
+    let r3 = go(&mut e, &p, &c, true);
+    assert!(
+        r3.cached_tokens <= 5,
+        "stops before the image: {}",
+        r3.cached_tokens
+    );
+    assert_eq!(
+        e.vision_stats().loans.len(),
+        1,
+        "the other image is encoded"
+    );
+    assert_eq!(r3.tokens, fresh(&p, &c));
+
+    let mut p4 = p.clone();
+    p4.extend(&r3.tokens);
+    p4.extend(text(3, 7));
+    let r4 = go(&mut e, &p4, &c, true);
+    assert!(
+        r4.cached_tokens >= p.len(),
+        "follow-up turn: {}",
+        r4.cached_tokens
+    );
+    assert!(
+        e.vision_stats().loans.is_empty(),
+        "image inside the reused prefix"
+    );
+    assert_eq!(r4.tokens, fresh(&p4, &c));
+}
+
+/// With MTP the prompt checkpoint (recurrent state, MTP tail, MTP layer rows) is reused the same
+/// way: the same images and text again skip all but the last row and decode the same tokens.
+#[test]
+fn prompt_cache_with_images_and_mtp() {
+    let mtp_dir = vl_with_mtp();
+    let mut e = Engine::load(CpuBackend::new(), config(&mtp_dir, true, Some(2))).expect("load");
+    let imgs = images(&mut e, &["img_a.png", "img_b.png"]);
+    let mut req = greedy(8);
+    req.reuse_prefix = true;
+    let run = |e: &mut Engine<CpuBackend>| {
+        e.generate_multimodal(&req, &imgs, |_| kvstream_runtime::Flow::Continue)
+            .expect("generate")
+    };
+    let first = run(&mut e);
+    let again = run(&mut e);
+    let n = oracle_i64("ids").len();
+    assert_eq!(first.cached_tokens, 0);
+    assert_eq!(again.cached_tokens, n - 1);
+    assert_eq!(again.tokens, first.tokens);
+    assert!(e.vision_stats().loans.is_empty());
+    let _ = std::fs::remove_dir_all(&mtp_dir);
 }
