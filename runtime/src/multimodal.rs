@@ -26,7 +26,7 @@
 //!
 //! ## Prompt cache with images
 //! With [`crate::GenerateRequest::reuse_prefix`] the text prompt cache ([`crate::prompt_cache`])
-//! applies: the session records a cache key per row ([`row_keys`]: the token id for text, a
+//! applies: the session records a cache key per row (`row_keys`: the token id for text, a
 //! content-derived key above every vocabulary id for each image row), so a prefix matches only
 //! where the same images (by a 64-bit hash of their preprocessed pixels) sit at the same rows.
 //! Images wholly inside the reused prefix are not encoded again (no loan); one cut by the prefix

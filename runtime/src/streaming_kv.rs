@@ -8,7 +8,7 @@
 //!    (`CopyEngine::copy_d2h`) into the pinned [`HostKvStore`]; at the end of the step the
 //!    publications are waited and committed (`commit_published`). The host history only ever
 //!    grows by fully published rows, so it is the truth; nothing is dropped.
-//! 3. The layer's [`SpanPlan`] walks its resident prefix and then ring spans in token order. When
+//! 3. The layer's `SpanPlan` walks its resident prefix and then ring spans in token order. When
 //!    its streamed pages exceed the ring, it is attended in several *waves*, each one plan that
 //!    continues the same accumulator (`attention_accumulate`); normalisation happens once
 //!    (`attention_finish`). So streamed == resident bit for bit on one backend.
