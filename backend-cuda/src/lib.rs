@@ -203,6 +203,11 @@ impl Backend for CudaBackend {
             device_memory: Some(self.total_mem as u64),
         }
     }
+
+    fn device_memory_in_use(&self) -> Option<u64> {
+        let (free, total) = self.ctx.mem_get_info().ok()?;
+        Some(total.saturating_sub(free) as u64)
+    }
 }
 
 #[cfg(test)]

@@ -166,4 +166,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn name(&self) -> &'static str;
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
+    /// Bytes of device memory in use as the driver reports it (every allocation of this
+    /// process and of any other on the device, context included), or `None` where there is no
+    /// separate device (CPU) or no way to ask. Benchmarks sample it for their measured peak.
+    fn device_memory_in_use(&self) -> Option<u64> {
+        None
+    }
 }

@@ -340,14 +340,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "  arena {}M context {} n={}: measured {} ms, roofline {} ms, measured/roofline {}, peak device {} MiB",
+            "  arena {}M context {} n={}: measured {} ms, roofline {} ms, measured/roofline {}, peak device {} MiB (weights + arena){}",
             r.arena_bytes >> 20,
             r.context,
             r.spec_draft_n_max,
             fmt_opt(r.step_ms, 3),
             fmt_opt(r.roofline_step_ms, 3),
             fmt_opt(r.measured_over_roofline, 2),
-            r.peak_device_bytes >> 20
+            r.peak_device_bytes >> 20,
+            r.peak_device_measured_bytes
+                .map(|b| format!(", {} MiB in use (driver)", b >> 20))
+                .unwrap_or_default()
         );
     }
     println!("wrote {}/bench.{{csv,jsonl,svg}}", a.out.display());

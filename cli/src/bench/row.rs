@@ -61,6 +61,10 @@ pub struct BenchRow {
     pub peak_arena_bytes: u64,
     /// Peak device memory the engine holds: weights + the arena allocation.
     pub peak_device_bytes: u64,
+    /// Peak device memory in use as the driver reports it (context, scratch and every other
+    /// allocation included), sampled after the fill, each width and the decode steps; `None`
+    /// on the CPU backend.
+    pub peak_device_measured_bytes: Option<u64>,
     /// Measured acceptance (real speculative runs only).
     pub acceptance: Option<f64>,
     /// Measured accepted tokens per step (real speculative runs only).

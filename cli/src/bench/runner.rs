@@ -137,6 +137,13 @@ fn measure_context<B: ModelBackend>(
     let extra = plan.decode_tokens + 8;
     let history = ctx.min(plan.ctx_size.saturating_sub(extra)).max(1);
     let mut prefill_tps = None;
+    // The driver's view of device memory, sampled after every phase of the measurement.
+    let mut measured_peak: Option<u64> = None;
+    let mut sample = |e: &Engine<B>| {
+        if let Some(used) = e.backend().device_memory_in_use() {
+            measured_peak = Some(measured_peak.map_or(used, |p| p.max(used)));
+        }
+    };
     match plan.fill {
         Fill::Synthetic => {
             engine.fill_synthetic_history(history, history + extra, plan.seed)?;
@@ -148,6 +155,7 @@ fn measure_context<B: ModelBackend>(
             prefill_tps = Some(history as f64 / t.elapsed().as_secs_f64());
         }
     }
+    sample(engine);
 
     // Step time and H2D bytes for widths 1..=4 (warm-up first: it refills resident pages).
     let mut width_ms = vec![None; 4];
@@ -164,6 +172,7 @@ fn measure_context<B: ModelBackend>(
             ms.push(s.seconds * 1e3);
             bytes += s.h2d_bytes;
         }
+        sample(engine);
         width_h2d[w - 1] = bytes as f64 / plan.reps.max(1) as f64;
         width_ms[w - 1] = median(&mut ms);
     }
@@ -179,6 +188,7 @@ fn measure_context<B: ModelBackend>(
     }
     engine.backend().synchronize()?;
     let decode_s = t.elapsed().as_secs_f64();
+    sample(engine);
     let kv = engine.kv().stats();
     let decode_bytes = h2d(&kv).saturating_sub(h0) as f64 / plan.decode_tokens.max(1) as f64;
     let step_s = decode_s / plan.decode_tokens.max(1) as f64;
@@ -195,6 +205,7 @@ fn measure_context<B: ModelBackend>(
         weight_bytes,
         peak_arena_bytes: kv.peak_arena.total as u64,
         peak_device_bytes: weight_bytes + engine.engine_config().arena_bytes,
+        peak_device_measured_bytes: measured_peak,
         ..base.clone()
     };
     let mut rows = Vec::new();
