@@ -806,18 +806,7 @@ impl<B: ModelBackend> Engine<B> {
         let mut sampler = Sampler::new(req.sampling)?;
         let prompt = self.tokenize(&req.prompt)?;
         self.check_tokens(&prompt)?;
-        self.kv.reset_stats();
-        self.stats = EngineStats::default();
-        self.spec_stats = SpecStats::default();
-        self.checkpoint_stage_peak = 0;
-        let mut em = Emitter {
-            history: prompt.clone(),
-            generated: Vec::new(),
-            text: String::new(),
-            eos: self.config.eos_token_ids().to_vec(),
-            n_predict: req.n_predict,
-            stop_at_eos: req.stop_at_eos,
-        };
+        let em = self.begin_generate(req, &prompt);
         if req.n_predict == 0 {
             return Ok(self.result(prompt, em.generated, em.text, StopReason::Length, 0));
         }
@@ -830,18 +819,50 @@ impl<B: ModelBackend> Engine<B> {
         };
         self.stats.prefill_tokens = (prompt.len() - cached) as u64;
         self.stats.prefill_seconds = t.elapsed().as_secs_f64();
+        self.decode_and_finish(req, prompt, em, last, cached, &mut sampler, &mut on_token)
+    }
+
+    /// The start of every generate call: fresh statistics and the emitter of `prompt`.
+    pub(crate) fn begin_generate(&mut self, req: &GenerateRequest, prompt: &[u32]) -> Emitter {
+        self.kv.reset_stats();
+        self.stats = EngineStats::default();
+        self.spec_stats = SpecStats::default();
+        self.checkpoint_stage_peak = 0;
+        Emitter {
+            history: prompt.to_vec(),
+            generated: Vec::new(),
+            text: String::new(),
+            eos: self.config.eos_token_ids().to_vec(),
+            n_predict: req.n_predict,
+            stop_at_eos: req.stop_at_eos,
+        }
+    }
+
+    /// The end of every generate call after its prefill (`last`: the prompt's last logits row,
+    /// `cached`: prompt tokens the prompt cache reused): decodes (plain or speculative), then
+    /// fills the decode statistics and the result.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode_and_finish(
+        &mut self,
+        req: &GenerateRequest,
+        prompt: Vec<u32>,
+        mut em: Emitter,
+        last: Vec<f32>,
+        cached: usize,
+        sampler: &mut Sampler,
+        on_token: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
+    ) -> Result<GenerateResult> {
         let h2d_after_prefill = {
             let s = self.kv.stats();
             s.h2d_ring_bytes + s.h2d_refill_bytes
         };
-
         let t = Instant::now();
         self.kv
             .set_planned_tokens(prompt.len() + req.n_predict.saturating_sub(1));
         let stop = if self.cfg.spec.is_some() {
-            self.decode_speculative(&mut em, last, &mut sampler, &mut on_token)?
+            self.decode_speculative(&mut em, last, sampler, on_token)?
         } else {
-            self.decode_plain(&mut em, last, &mut sampler, &mut on_token)?
+            self.decode_plain(&mut em, last, sampler, on_token)?
         };
         self.stats.decode_seconds = t.elapsed().as_secs_f64();
         let s = self.kv.stats();

@@ -59,13 +59,11 @@
 //! verified output.
 
 use crate::chat::expand_image_pads;
-use crate::engine::{from_model, Emitter, Engine, GenerateRequest, GenerateResult, StepOut};
+use crate::engine::{from_model, Engine, GenerateRequest, GenerateResult, StepOut};
 use crate::engine::{Flow, StopReason, TokenEvent};
 use crate::error::{Result, RuntimeError};
 use crate::phase::{Phase, REGION_ALIGN};
 use crate::sampling::Sampler;
-use crate::speculative::SpecStats;
-use crate::stats::EngineStats;
 use kvstream_memory_contracts::backend::Backend;
 use kvstream_memory_contracts::ops::{ModelBackend, Position3};
 use kvstream_model_qwen::vision::{preprocess, PreprocessedImage, PreprocessorConfig};
@@ -823,18 +821,7 @@ impl<B: ModelBackend> Engine<B> {
         let prompt = self.tokenize(&req.prompt)?;
         self.check_tokens(&prompt)?;
         let grids = self.check_image_runs(&prompt, images)?;
-        self.kv.reset_stats();
-        self.stats = EngineStats::default();
-        self.spec_stats = SpecStats::default();
-        self.checkpoint_stage_peak = 0;
-        let mut em = Emitter {
-            history: prompt.clone(),
-            generated: Vec::new(),
-            text: String::new(),
-            eos: self.config.eos_token_ids().to_vec(),
-            n_predict: req.n_predict,
-            stop_at_eos: req.stop_at_eos,
-        };
+        let em = self.begin_generate(req, &prompt);
         let t = Instant::now();
         let pad = self.vision_config()?.image_token_id;
         let keys = row_keys(&prompt, pad, images);
@@ -873,20 +860,7 @@ impl<B: ModelBackend> Engine<B> {
             self.prefill_multimodal(&prompt, &keys, &grids, &rows, cached, req.reuse_prefix)?;
         self.stats.prefill_tokens = (prompt.len() - cached) as u64;
         self.stats.prefill_seconds = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        self.kv
-            .set_planned_tokens(prompt.len() + req.n_predict.saturating_sub(1));
-        let stop = if self.cfg.spec.is_some() {
-            self.decode_speculative(&mut em, last, &mut sampler, &mut on_token)?
-        } else {
-            self.decode_plain(&mut em, last, &mut sampler, &mut on_token)?
-        };
-        self.stats.decode_seconds = t.elapsed().as_secs_f64();
-        let mut text = em.text;
-        if let Some(c) = &self.codec {
-            text = c.decode(&em.generated, true)?;
-        }
-        Ok(self.result(prompt, em.generated, text, stop, cached))
+        self.decode_and_finish(req, prompt, em, last, cached, &mut sampler, &mut on_token)
     }
 }
 
