@@ -22,8 +22,9 @@ pub const GEMM_ENV: &str = "KVSTREAM_GEMM";
 /// Which kernel computes `matmul` for more than `GEMV_MAX_T` rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillGemm {
-    /// cuBLAS on tensor cores: bf16 operands (x rounded to bf16; quantized and f16 weights
-    /// dequantised to bf16 tiles), f32 accumulation and output. f32 weights: f32 SGEMM.
+    /// cuBLAS on tensor cores: split bf16 operands (x = hi + lo; quantized and f16 weights
+    /// dequantised into hi + lo bf16 tiles, bf16 weights as stored), f32 accumulation and
+    /// output, so f32-class accuracy. f32 weights: f32 SGEMM.
     Cublas,
     /// The SIMT kernel `gemm_f32out`: exact dequantised weights, f32 x, f32 FMA.
     Simt,

@@ -11,7 +11,7 @@
 //!   allocation. Host memory is page-locked by registration (cached, not write-combined).
 //! * Streams: one compute stream, one copy stream; fences are CUDA events. cudarc's per-slice
 //!   event tracking is disabled: ordering is ours.
-//! * Prefill GEMM (more than 8 rows): cuBLAS on tensor cores with bf16 operands when libcublas
+//! * Prefill GEMM (more than 8 rows): cuBLAS on tensor cores with split (hi + lo) bf16 operands when libcublas
 //!   loads (lazily, see [`PrefillGemm`]), else the SIMT kernel; decode GEMV is always our own.
 //! * Streamed attention splits the token range into a fixed number of token-index-owned splits
 //!   per evaluation and combines them once in `attn_finish` (streamed == resident bit for bit).
