@@ -204,6 +204,44 @@ mod tests {
         }
     }
 
+    /// Mirrors the index arithmetic of the coalesced-x q4 path (`XC` in linear.cu) for one warp
+    /// trip of 32 chunks × 32 values: lane l's chunk lands in slot l ^ ((l >> 3) & 3); lane
+    /// (G, q) = (l / 4, l % 4) reads, at step i, the 2-byte sub-word q + 4 (i & 1) of slot
+    /// s(4G + i / 2) and the x float4 32G + q + 4i. Every value is read exactly once, the weight
+    /// and x indices agree, every value is in the lane's own scale group (its staged scale), and
+    /// each step's 32 shared-memory reads hit distinct banks (or share a word).
+    #[test]
+    fn coalesced_q4_lane_mapping_covers_each_value_once() {
+        let slot = |c: usize| c ^ ((c >> 3) & 3);
+        let mut chunk_of_slot = [usize::MAX; 32];
+        for l in 0..32 {
+            chunk_of_slot[slot(l)] = l;
+        }
+        assert!(
+            chunk_of_slot.iter().all(|&c| c < 32),
+            "swizzle is a bijection"
+        );
+        let mut seen = [0u8; 1024];
+        for i in 0..8usize {
+            let mut banks: std::collections::HashMap<usize, usize> = Default::default();
+            for lane in 0..32usize {
+                let (g, q) = (lane >> 2, lane & 3);
+                let s = slot(4 * g + (i >> 1));
+                let hw = q + 4 * (i & 1);
+                let first = 32 * chunk_of_slot[s] + 4 * hw;
+                assert_eq!(first, 4 * (32 * g + q + 4 * i), "lane {lane} step {i}");
+                assert_eq!(first / 128, g, "lane {lane}: outside its scale group");
+                for e in first..first + 4 {
+                    seen[e] += 1;
+                }
+                let word = (s * 16 + 2 * hw) / 4;
+                let other = banks.insert(word % 32, word);
+                assert!(other.is_none_or(|w| w == word), "step {i}: bank conflict");
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1));
+    }
+
     #[test]
     fn split_ignores_t_and_blocks_cover_every_row() {
         for (d, sms) in ALL.into_iter().flat_map(|d| [(d, 0), (d, 132), (d, 70)]) {
