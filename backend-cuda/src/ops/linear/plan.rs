@@ -231,8 +231,8 @@ mod tests {
                 let first = 32 * chunk_of_slot[s] + 4 * hw;
                 assert_eq!(first, 4 * (32 * g + q + 4 * i), "lane {lane} step {i}");
                 assert_eq!(first / 128, g, "lane {lane}: outside its scale group");
-                for e in first..first + 4 {
-                    seen[e] += 1;
+                for n in &mut seen[first..first + 4] {
+                    *n += 1;
                 }
                 let word = (s * 16 + 2 * hw) / 4;
                 let other = banks.insert(word % 32, word);
