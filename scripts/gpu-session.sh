@@ -3,17 +3,17 @@
 # Build here first:
 #   CARGO_TARGET_DIR=target bash scripts/gpu-test.sh              # test binaries + cuda_bench
 #   cargo build --release -p kvstream-cli --features cuda && strip -o .device-bin/kvstream target/release/kvstream
-# Then there:  OUT=$OUT STAGE=1 bash scripts/gpu-session.sh   (and STAGE=2 in a second call)
+# Then there:  OUT=$OUT STAGE=1 bash scripts/gpu-session.sh   (then STAGE=2 and STAGE=3, one call
+# each: a call may run 600 s)
 #
-# STAGE 1 (≈ 8 min), each step under its own timeout so one slow step cannot eat the call:
+# STAGE 1 (≈ 7 min), each step under its own timeout so one slow step cannot eat the call:
 #   1. every CUDA test binary (GPU tests included: --include-ignored)
 #   2. cuda_bench (ceilings, GEMV per format, GEMM cuBLAS vs SIMT, chunked GDN, attention)
 #   3. ncu on one launch of the decode attention kernel and of the coalesced q4 GEMV
-#   4. scripts/gpu-engine-check.sh (whole engine CUDA vs CPU, incl. quantized weights)
-#   5. 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), q4_g128 at 32/256 Ki,
-#      and a 4 Ki prefill (--fill prefill)
-# STAGE 2: compute-sanitizer memcheck and racecheck on the op, attention and GDN suites, then the
-#   quantized-format benches left out of stage 1.
+#   4. scripts/gpu-engine-check.sh (whole engine CUDA vs CPU, incl. quantized weights and images)
+# STAGE 2 (≈ 7 min): 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), a 4 Ki
+#   prefill (--fill prefill), q4_g128 / q8_0 / fp8_e4m3 at 32/256 Ki.
+# STAGE 3: compute-sanitizer memcheck and racecheck on the op, attention and GDN suites.
 # Summary lines go to stdout (the reliable channel back) and $OUT/summary.txt.
 set -u
 D=.device-bin
@@ -56,30 +56,28 @@ if [ "$STAGE" = 1 ]; then
   grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-q4.log" | head -20
   step engine-check "${T_ENGINE:-150}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
   grep -hE "^(ok|FAIL)|passed|failed" "$OUT/engine-check.log" | tail -60
+elif [ "$STAGE" = 2 ]; then
   step bench-bf16 "${T_BF16:-110}" "${BENCH[@]}" --contexts "${CTX_BF16:-8Ki,32Ki,256Ki}" \
     --spec-draft-n-max 0,3 --weights bf16 --out "$OUT/bench-bf16"
   roofline bench-bf16 12
-  step bench-q4_g128 "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
-    --weights q4_g128 --out "$OUT/bench-q4_g128"
-  roofline bench-q4_g128 6
   step bench-prefill "${T_PREFILL:-90}" "${BENCH[@]}" --fill prefill --contexts 4Ki \
     --spec-draft-n-max 0 --weights bf16 --out "$OUT/bench-prefill"
   grep -hE "4096|prefill|roofline" "$OUT/bench-prefill.log" | head -8
   cat "$OUT/bench-prefill/bench.csv" 2>/dev/null | head -3
+  for w in ${QUANT_FORMATS:-q4_g128 q8_0 fp8_e4m3}; do
+    step "bench-$w" "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
+      --weights "$w" --out "$OUT/bench-$w"
+    roofline "bench-$w" 6
+  done
 else
   for tool in memcheck racecheck; do
     for t in $(grep -E 'ops_vs_cpu|attention|gdn' "$D/tests.list"); do
       extra=()
       [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
-      step "$tool-$t" "${T_SAN:-110}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 \
+      step "$tool-$t" "${T_SAN:-90}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 \
         "$D/$t" --include-ignored --test-threads=1
       grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard|Error:" "$OUT/$tool-$t.log" | sort | uniq -c | head -6
     done
-  done
-  for w in ${QUANT_FORMATS:-q8_0 fp8_e4m3}; do
-    step "bench-$w" "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
-      --weights "$w" --out "$OUT/bench-$w"
-    roofline "bench-$w" 6
   done
 fi
 cat "$S"
