@@ -228,7 +228,8 @@ fn mtp_image_rows(name: &str) {
         .gather(&vec![placeholder; k])
         .expect("rows");
     let other: Vec<f32> = own.iter().map(|v| -0.5 * v + 0.01).collect();
-    let run = |rows: Option<&[f32]>| {
+    // The target's prefill of ids[..n]: its hidden rows and KV (a fresh pair per call).
+    let prefill = || {
         let (mut st, mut kv) = (s.state(), s.kv());
         let out = s
             .model
@@ -243,11 +244,14 @@ fn mtp_image_rows(name: &str) {
                 None,
             )
             .expect("forward");
+        (out.hidden, kv)
+    };
+    let run = |rows: Option<&[f32]>| {
+        let (hidden, mut kv) = prefill();
         let m = match rows {
-            None => {
-                s.model
-                    .mtp_forward(&s.b, next, &out.hidden, &pos(0..n), &mut kv, LogitRows::All)
-            }
+            None => s
+                .model
+                .mtp_forward(&s.b, next, &hidden, &pos(0..n), &mut kv, LogitRows::All),
             Some(rows) => s.model.mtp_forward_multimodal(
                 &s.b,
                 next,
@@ -255,7 +259,7 @@ fn mtp_image_rows(name: &str) {
                     token_id: placeholder,
                     rows,
                 },
-                &out.hidden,
+                &hidden,
                 &pos(0..n),
                 &mut kv,
                 LogitRows::All,
@@ -270,20 +274,7 @@ fn mtp_image_rows(name: &str) {
     let changed = run(Some(&other));
     assert!(max_diff(&changed, &plain) > 1e-4, "{name}: rows ignored");
     // A wrong row count is a typed error, not a panic.
-    let (mut st, mut kv) = (s.state(), s.kv());
-    let out = s
-        .model
-        .forward(
-            &s.b,
-            &ids[..n],
-            &pos(0..n),
-            AttentionPhase::Prefill,
-            &mut st,
-            &mut kv,
-            LogitRows::None,
-            None,
-        )
-        .expect("forward");
+    let (hidden, mut kv) = prefill();
     let bad = ImageEmbeds {
         token_id: placeholder,
         rows: &own[1..],
@@ -294,7 +285,7 @@ fn mtp_image_rows(name: &str) {
             &s.b,
             next,
             bad,
-            &out.hidden,
+            &hidden,
             &pos(0..n),
             &mut kv,
             LogitRows::All

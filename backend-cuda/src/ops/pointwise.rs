@@ -10,7 +10,12 @@ use kvstream_memory_contracts::ops::{
     ActivationOps, NormOps, Position3, PositionOps, RopeConfig, SamplingOps,
 };
 
-fn norm_rows(op: &'static str, x: &CudaTensor, w: &CudaWeight) -> Result<(usize, usize), OpError> {
+/// Rows of `x` for a 1-D weight of `d = w.numel()` values (norms, biases): `(rows, d)`.
+pub(super) fn norm_rows(
+    op: &'static str,
+    x: &CudaTensor,
+    w: &CudaWeight,
+) -> Result<(usize, usize), OpError> {
     let d = w.numel();
     if d == 0 || x.numel() % d != 0 {
         return Err(OpError::shape(

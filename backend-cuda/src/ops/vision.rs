@@ -1,6 +1,7 @@
 //! `VisionOps`: bias add, LayerNorm, GELU and the ViT attention (rotary pass, then one warp per
 //! (query row, head) with an online softmax over the frame's keys; vision.cu).
 
+use super::pointwise::norm_rows;
 use crate::launch::{args, grid1d};
 use crate::types::elementwise_dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
@@ -10,21 +11,9 @@ use kvstream_memory_contracts::backend::DeviceTensor;
 use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::ops::{Gelu, VisionAttentionShape, VisionOps};
 
-/// Rows of `x` for a 1-D weight of `d = w.numel()` values.
-fn rows_of(op: &'static str, x: &CudaTensor, w: &CudaWeight) -> Result<(usize, usize), OpError> {
-    let d = w.numel();
-    if d == 0 || x.numel() % d != 0 {
-        return Err(OpError::shape(
-            op,
-            format!("x {:?} is not a multiple of the weight length {d}", x.dims),
-        ));
-    }
-    Ok((x.numel() / d, d))
-}
-
 impl VisionOps for CudaBackend {
     fn add_bias(&self, x: &CudaTensor, b: &CudaWeight) -> Result<CudaTensor, OpError> {
-        let (_, d) = rows_of("add_bias", x, b)?;
+        let (_, d) = norm_rows("add_bias", x, b)?;
         let out = self.tensor_uninit(&x.dims)?;
         let n = x.numel();
         if n == 0 {
@@ -51,7 +40,7 @@ impl VisionOps for CudaBackend {
         b: &CudaWeight,
         eps: f32,
     ) -> Result<CudaTensor, OpError> {
-        let (rows, d) = rows_of("layer_norm", x, w)?;
+        let (rows, d) = norm_rows("layer_norm", x, w)?;
         if b.numel() != d {
             return Err(OpError::shape(
                 "layer_norm",
