@@ -5,7 +5,6 @@
 //! kernels. Run on a GPU machine with `--ignored`.
 
 use kvstream_backend_cpu::CpuBackend;
-use kvstream_backend_cuda::CudaBackend;
 use kvstream_memory_contracts::attention::*;
 use kvstream_memory_contracts::kv::format::{encode, KvType};
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
@@ -16,12 +15,8 @@ use kvstream_memory_contracts::Backend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn gpu() -> CudaBackend {
-    match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
-    }
-}
+mod common;
+use common::gpu;
 
 /// A contiguous page image of `total` tokens with random K/V.
 fn image(g: &PageGeometry, total: usize, rng: &mut StdRng) -> Vec<u8> {

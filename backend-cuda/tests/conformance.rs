@@ -1,15 +1,10 @@
 //! The device-generic conformance suite of memory-contracts, run on the GPU.
 //! Run on a GPU machine with `--ignored`.
 
-use kvstream_backend_cuda::CudaBackend;
 use kvstream_memory_contracts::conformance::{attention as c, capabilities as a, memory as b};
 
-fn gpu() -> CudaBackend {
-    match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
-    }
-}
+mod common;
+use common::gpu;
 
 macro_rules! gpu_test {
     ($name:ident, $path:path) => {

@@ -15,15 +15,11 @@ use kvstream_memory_contracts::quantize;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+mod common;
+use common::gpu;
+
 type CpuT = <CpuBackend as Backend>::Tensor;
 type GpuT = <CudaBackend as Backend>::Tensor;
-
-fn gpu() -> CudaBackend {
-    match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
-    }
-}
 
 fn uni(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(lo..hi)).collect()

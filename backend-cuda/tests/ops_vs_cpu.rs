@@ -13,25 +13,8 @@ use kvstream_memory_contracts::{dequantize, quantize};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn gpu() -> CudaBackend {
-    match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
-    }
-}
-
-fn rnd(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let x = rng.random_range(-amp..amp);
-            if x == 0.0 {
-                amp * 0.25
-            } else {
-                x
-            }
-        })
-        .collect()
-}
+mod common;
+use common::{gpu, rnd};
 
 fn weight_bytes(vals: &[f32], dims: &[usize], dt: WeightDType) -> Vec<u8> {
     match quantize(dt, vals, dims) {

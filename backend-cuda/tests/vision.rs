@@ -14,32 +14,15 @@ use kvstream_model_qwen::vision::{preprocess, PreprocessorConfig};
 use kvstream_model_qwen::VisionTower;
 use kvstream_runtime::{Engine, EngineConfig, GenerateRequest, ImageInput, Prompt};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use safetensors::{Dtype, SafeTensors};
 use std::path::{Path, PathBuf};
 
-fn gpu() -> CudaBackend {
-    match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e) => panic!("this test needs a CUDA GPU: {e}"),
-    }
-}
+mod common;
+use common::{gpu, rnd};
 
 fn vl_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-vl")
-}
-
-fn rnd(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let x = rng.random_range(-amp..amp);
-            if x == 0.0 {
-                amp * 0.25
-            } else {
-                x
-            }
-        })
-        .collect()
 }
 
 /// max |got − want| ≤ tol · max |want|, reference not all zeros.
