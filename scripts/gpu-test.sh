@@ -15,6 +15,17 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 BIN="$ROOT/.device-bin"
+# --pack: strip every staged binary and xz it (the device call carries at most 64 MiB together with
+# the tracked tree; scripts/gpu-session.sh unpacks them there).
+if [ "${1:-}" = "--pack" ]; then
+  for f in "$BIN"/test-* "$BIN"/cuda_bench "$BIN"/kvstream; do
+    case "$f" in *.xz) continue ;; esac
+    [ -e "$f" ] || continue
+    strip "$f" && xz -f -T2 -6 "$f"
+  done
+  du -sh "$BIN" >&2
+  exit 0
+fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 rm -rf "$BIN"
 mkdir -p "$BIN"
