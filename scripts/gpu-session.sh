@@ -10,7 +10,7 @@
 # STAGE 1 (≈ 7 min), each step under its own timeout so one slow step cannot eat the call:
 #   1. every CUDA test binary (GPU tests included: --include-ignored)
 #   2. cuda_bench (ceilings, GEMV per format, GEMM cuBLAS vs SIMT, chunked GDN, attention)
-#   3. ncu on one launch of the decode attention kernel and of the coalesced q4 GEMV
+#   3. ncu on one launch of the decode attention kernel and of the tensor-core q4 GEMV
 #   4. scripts/gpu-engine-check.sh (whole engine CUDA vs CPU, incl. quantized weights and images)
 # STAGE 2 (≈ 7 min): 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), a 4 Ki
 #   prefill (--fill prefill), q4_g128 / q8_0 / fp8_e4m3 at 32/256 Ki.
@@ -58,7 +58,7 @@ if [ "$STAGE" = 1 ]; then
     $NCU -k regex:attn_accumulate_q8q4 "$D/cuda_bench" "$OUT/ncu-a"
   grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-attn.log" | head -30
   step ncu-q4 60 env KVSTREAM_BENCH_SKIP_GEMM=1 \
-    $NCU -k regex:gemv_q4g128x_t1 "$D/cuda_bench" "$OUT/ncu-q"
+    $NCU -k regex:gemv_q4mma_m "$D/cuda_bench" "$OUT/ncu-q"
   grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-q4.log" | head -20
   step engine-check "${T_ENGINE:-150}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
   grep -hE "^(ok|FAIL)|passed|failed" "$OUT/engine-check.log" | tail -60

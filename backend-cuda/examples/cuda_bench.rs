@@ -3,7 +3,8 @@
 //! * HBM read roofline (vectorised read of 4 GiB) and GEMV GB/s (T = 1 and 4) for bf16 and each
 //!   quantized weight format (q8_0, q4_g128, fp8_e4m3) on the 27B shapes (MLP gate/up, down,
 //!   attention/GDN projections, lm_head), counted in stored bytes (codes + scales) and as a
-//!   percentage of the measured HBM read ceiling;
+//!   percentage of the measured HBM read ceiling (q4_g128 on both the tensor-core and the SIMT
+//!   kernel);
 //! * prefill GEMM TFLOP/s (bf16, q4_g128; T = 512 and 4096; MLP gate/up and down) on cuBLAS and
 //!   on the SIMT kernel (`KVSTREAM_BENCH_SKIP_GEMM=1` skips);
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
@@ -16,7 +17,7 @@
 //! Usage: `cuda_bench [OUT_DIR]` (default `$OUT` or `.`); writes `cuda_bench.txt` there.
 //! `KVSTREAM_BENCH_ONLY_GDN=1` runs only the gated delta rule section.
 
-use kvstream_backend_cuda::{CudaBackend, PrefillGemm};
+use kvstream_backend_cuda::{CudaBackend, PrefillGemm, Q4Gemv};
 use kvstream_memory_contracts::attention::{
     attention_accumulate, attention_begin, attention_finish, AttentionShape,
 };
@@ -272,22 +273,39 @@ fn main() -> Result<(), Box<dyn Error>> {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            for t in [1usize, 4] {
-                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                let xt = b.tensor_from_f32(&x, &[t, k])?;
-                let secs = time(&b, 50, || {
-                    b.matmul(&xt, &wt)?;
-                    Ok(())
-                })?;
-                let gbs = bytes as f64 / secs / 1e9;
-                out!(
-                    report,
-                    "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read)",
-                    dt.name(),
-                    secs * 1e6,
-                    100.0 * gbs / hbm
-                )?;
+            // q4_g128: the tensor-core kernel (default) and the SIMT one.
+            let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
+                &[Some(Q4Gemv::Mma), Some(Q4Gemv::Simt)]
+            } else {
+                &[None]
+            };
+            for &path in paths {
+                if let Some(p) = path {
+                    b.set_q4_gemv(p);
+                }
+                let tag = match path {
+                    Some(Q4Gemv::Mma) => " (mma)",
+                    Some(Q4Gemv::Simt) => " (simt)",
+                    None => "",
+                };
+                for t in [1usize, 4] {
+                    let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    let xt = b.tensor_from_f32(&x, &[t, k])?;
+                    let secs = time(&b, 50, || {
+                        b.matmul(&xt, &wt)?;
+                        Ok(())
+                    })?;
+                    let gbs = bytes as f64 / secs / 1e9;
+                    out!(
+                        report,
+                        "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read){tag}",
+                        dt.name(),
+                        secs * 1e6,
+                        100.0 * gbs / hbm
+                    )?;
+                }
             }
+            b.set_q4_gemv(Q4Gemv::Simt);
         }
     }
     prefill_gemm(&b, &mut report, &mut rng)?;
@@ -383,7 +401,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             .collect();
         let qt = b.tensor_from_f32(&q, &[width, 24, 256])?;
         let path = if b.attention_uses_fast_path(&shape, &g) {
-            "tensor-core q8q4 kernel"
+            b.fast_attention_kernel(256)
         } else {
             "generic kernel"
         };

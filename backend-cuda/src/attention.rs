@@ -177,6 +177,20 @@ fn target_override() -> Option<usize> {
     })
 }
 
+/// The fast kernel and its register-capped (3 blocks per SM) twin (attention.cu).
+const FAST_KERNEL: &str = "attn_accumulate_q8q4";
+const FAST_KERNEL_O3: &str = "attn_accumulate_q8q4_o3";
+
+/// Environment variable: `3` takes the register-capped fast kernel (3 blocks per SM) where it fits
+/// more blocks than the uncapped one. Off by default: on the H200 it is 10% faster at width 1 but
+/// 1.5× slower at width 4 (its spills), and MTP verification runs width 4.
+pub const ATTN_OCC_ENV: &str = "KVSTREAM_ATTN_OCC";
+
+fn keep_uncapped() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| !std::env::var(ATTN_OCC_ENV).is_ok_and(|v| v.trim() == "3"))
+}
+
 fn force_generic() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
     *FORCE.get_or_init(|| std::env::var(FORCE_GENERIC_ENV).is_ok_and(|v| v != "0"))
@@ -277,6 +291,20 @@ fn reserve_smem(f: &CudaFunction, smem: usize) -> Result<(), AttentionError> {
             "cannot reserve {smem} bytes of shared memory: {r:?}"
         )));
     }
+    // The whole unified L1/shared array as shared memory where the driver can use it (a hint:
+    // without it the driver may pick a smaller carveout than 3 blocks of ~70 KB need). K and V
+    // travel by cp.async.cg, which bypasses L1 anyway.
+    // SAFETY: as above; the carveout is a percentage in 0..=100.
+    let hint = unsafe {
+        sys::cuFuncSetAttribute(
+            f.cu_function(),
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+    };
+    if hint != sys::CUresult::CUDA_SUCCESS {
+        tracing::debug!(?hint, "shared-memory carveout hint refused");
+    }
     Ok(())
 }
 
@@ -296,34 +324,59 @@ impl CudaBackend {
         if !fast_types || !matches!(shape.head_dim, 64 | 128 | 256) || force_generic() {
             return TARGET_BLOCKS;
         }
-        let smem = fast_smem_bytes(shape.head_dim, 1);
+        self.fast_kernel(shape.head_dim).1
+    }
+
+    /// The instance of the tensor-core attention kernel evaluations of `head_dim` run
+    /// (`attn_accumulate_q8q4` or its register-capped twin `attn_accumulate_q8q4_o3`).
+    pub fn fast_attention_kernel(&self, head_dim: usize) -> &'static str {
+        self.fast_kernel(head_dim).0
+    }
+
+    /// The fast kernel's instance for `head_dim` and one full wave of it in blocks (cached): the
+    /// register-capped `attn_accumulate_q8q4_o3` when `KVSTREAM_ATTN_OCC=3` and the device fits
+    /// more of its blocks per SM than of the uncapped kernel, else `attn_accumulate_q8q4`. A function of head_dim alone, so every width of a shape (decode,
+    /// verification) runs the same instance with the same splits.
+    fn fast_kernel(&self, head_dim: usize) -> (&'static str, usize) {
         let mut cache = self
             .attn_wave_blocks
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(&b) = cache.get(&shape.head_dim) {
-            return b;
+        if let Some(&v) = cache.get(&head_dim) {
+            return v;
         }
-        let blocks = self
-            .func("attn_accumulate_q8q4")
-            .ok()
-            .filter(|_| smem <= self.max_smem_optin)
-            .and_then(|f| {
-                reserve_smem(f, smem).ok()?;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(
-                        ATT_FAST_THREADS as u32,
-                        smem,
-                        None,
-                    )
-                    .ok()?;
-                (per_sm > 0).then(|| per_sm as usize * self.sm_count)
-            })
-            .filter(|&b| b > 0)
-            .unwrap_or(TARGET_BLOCKS);
-        tracing::debug!(head_dim = shape.head_dim, blocks, "attention split target");
-        cache.insert(shape.head_dim, blocks);
-        blocks
+        let smem = fast_smem_bytes(head_dim, 1);
+        let per_sm = |name: &'static str| -> Option<usize> {
+            let f = self.func(name).ok()?;
+            if smem > self.max_smem_optin {
+                return None;
+            }
+            reserve_smem(f, smem).ok()?;
+            let n = f
+                .occupancy_max_active_blocks_per_multiprocessor(ATT_FAST_THREADS as u32, smem, None)
+                .ok()?;
+            (n > 0).then_some(n as usize)
+        };
+        let base = per_sm(FAST_KERNEL);
+        let capped = if keep_uncapped() {
+            None
+        } else {
+            per_sm(FAST_KERNEL_O3)
+        };
+        let choice = match (base, capped) {
+            (b, Some(c)) if c > b.unwrap_or(0) => (FAST_KERNEL_O3, c * self.sm_count),
+            (Some(b), _) => (FAST_KERNEL, b * self.sm_count),
+            _ => (FAST_KERNEL, TARGET_BLOCKS),
+        };
+        let choice = (choice.0, choice.1.max(1));
+        tracing::debug!(
+            head_dim,
+            kernel = choice.0,
+            blocks = choice.1,
+            "attention split target"
+        );
+        cache.insert(head_dim, choice);
+        choice
     }
 
     /// The generic kernel's token unit: the largest of 32, 16, 8, 4, 2, 1 dividing the page size
@@ -380,7 +433,8 @@ impl CudaBackend {
         state: &mut CudaTensor,
     ) -> Result<(), AttentionError> {
         let g = plan.geometry();
-        let f = self.func("attn_accumulate_q8q4").map_err(op_err)?;
+        let name = self.fast_kernel(shape.head_dim).0;
+        let f = self.func(name).map_err(op_err)?;
         reserve_smem(f, cfg.smem)?;
         let geo = Self::attn_geo(shape, g);
         let launch = LaunchConfig {
@@ -402,8 +456,7 @@ impl CudaBackend {
                 span.count as i32,
             );
             let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &nt, &qt];
-            self.launch("attn_accumulate_q8q4", f, launch, &mut a)
-                .map_err(op_err)?;
+            self.launch(name, f, launch, &mut a).map_err(op_err)?;
         }
         Ok(())
     }

@@ -26,6 +26,7 @@ mod ops;
 mod types;
 
 pub use blas::{PrefillGemm, GEMM_ENV};
+pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
@@ -61,9 +62,12 @@ pub struct CudaBackend {
     pub(crate) max_smem_optin: usize,
     /// Streaming multiprocessors (the attention split target counts blocks per SM).
     pub(crate) sm_count: usize,
-    /// Blocks of one full wave of the fast attention kernel, by head_dim (cached occupancy).
-    pub(crate) attn_wave_blocks: Mutex<HashMap<usize, usize>>,
+    /// The fast attention kernel's instance and the blocks of one full wave of it, by head_dim
+    /// (cached occupancy).
+    pub(crate) attn_wave_blocks: Mutex<HashMap<usize, (&'static str, usize)>>,
     pub(crate) blas: blas::BlasState,
+    /// The q4_g128 decode GEMV path (tensor cores or SIMT).
+    pub(crate) q4_gemv: ops::linear::q4mma::Q4GemvState,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -157,6 +161,7 @@ impl CudaBackend {
             sm_count,
             attn_wave_blocks: Mutex::new(HashMap::new()),
             blas: blas::BlasState::from_env(),
+            q4_gemv: ops::linear::q4mma::Q4GemvState::from_env(),
         })
     }
 

@@ -95,6 +95,16 @@ pub const MODULES: &[KernelModule] = &[
         ],
     },
     KernelModule {
+        module: "gemv_mma",
+        source: include_str!("cu/gemv_mma.cu"),
+        kernels: &[
+            "gemv_q4mma_xprep",
+            "gemv_q4mma_m1",
+            "gemv_q4mma_m2",
+            "gemv_q4mma_m4",
+        ],
+    },
+    KernelModule {
         module: "recurrent",
         source: include_str!("cu/recurrent.cu"),
         kernels: &[
@@ -114,7 +124,12 @@ pub const MODULES: &[KernelModule] = &[
     KernelModule {
         module: "attention",
         source: include_str!("cu/attention.cu"),
-        kernels: &["attn_accumulate", "attn_accumulate_q8q4", "attn_finish"],
+        kernels: &[
+            "attn_accumulate",
+            "attn_accumulate_q8q4",
+            "attn_accumulate_q8q4_o3",
+            "attn_finish",
+        ],
     },
     KernelModule {
         module: "vision",

@@ -8,6 +8,7 @@
 
 mod gemm;
 mod plan;
+pub(crate) mod q4mma;
 
 use crate::launch::args;
 use crate::types::dtype_code;
@@ -146,6 +147,12 @@ impl LinearOps for CudaBackend {
         let (xp, wp, dt, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), out.ptr());
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
+            if w.dtype == WeightDType::Q4G128 && self.q4_gemv() == q4mma::Q4Gemv::Mma {
+                if let Some(plan) = q4mma::q4_mma_plan(n, k, wp, soff, self.sm_count) {
+                    self.gemv_q4_mma(plan, x, wp, soff, &out, t, n, k)?;
+                    return Ok(out);
+                }
+            }
             let t32 = t as i32;
             let too_big = || OpError::shape("matmul", format!("{n} output rows is too many"));
             match gemv_plan(w.dtype, dt as usize, t, n, k, wp, self.sm_count).ok_or_else(too_big)? {

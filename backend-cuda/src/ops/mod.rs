@@ -9,7 +9,7 @@ mod gdn_chunk;
 pub use gdn_chunk::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 mod kv;
 pub(crate) use kv::kv_code;
-mod linear;
+pub(crate) mod linear;
 mod pointwise;
 mod recurrent;
 mod tensor;

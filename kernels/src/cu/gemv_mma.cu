@@ -1,0 +1,206 @@
+// Tensor-core decode GEMV for q4_g128 weights (T ≤ 8): y[T, N] = x[T, K] · w[N, K]ᵀ.
+//
+// Why: at 4 bits an H200 SM must retire ~34 weights per cycle to keep up with HBM, i.e. < 4
+// lane-instructions per weight for dequantisation, the multiply and the x loads together. The
+// SIMT GEMV (linear.cu) spends ~3.2 and is issue-bound at 37–42% of HBM (ncu). Here the products
+// run on the tensor cores (mma.m16n8k16, bf16 in, f32 accumulate) and the dequantisation costs
+// 11 instructions per 8 codes (~1.4 per weight): codes become exact bf16 values q - 8 with the
+// magic-number trick ((n | 0x4300) as bf16 = 128 + n, then fma(·, 1, -136)).
+//
+// Precision: x enters as two bf16 terms x = hi + lo (|x - hi - lo| ≤ 2^-17 |x|, f32 range), each
+// product code · (hi + lo) is exact in the f32 accumulator, the group's sum is scaled by the f32
+// value of the group's f16 scale: per output ≲ 2^-16 · Σ|x·w| from the CPU's f32 result (tests
+// bound it by 1e-4 · Σ|x·w|).
+//
+// The K permutation: a dot product does not depend on the order of k, so the k "slots" of an MMA
+// fragment are assigned to whatever the cheapest loads give, and x is laid out to match. Lane
+// (g = lane / 4, tq = lane % 4) loads 16 contiguous code bytes of a 128-group for row g and row
+// g + 8 of its m-tile: the 32 codes k = 128·G + 32·tq + 8·w + e (word w, nibble e). For the
+// k16-step (w, h) its A registers hold (e, e + 4) pairs: h = 0 → slots (2tq, 2tq+1) = codes (0, 4)
+// and slots (2tq+8, 2tq+9) = codes (1, 5); h = 1 → (2, 6) and (3, 7). `gemv_q4mma_xprep` writes
+// x in exactly that order (per token t, group G, lane-quarter tq: 8 uint4 of {hi, hi, lo, lo}),
+// so the B fragment of a step is one 16-byte load, and the C fragment columns are the tokens.
+//
+// Work split: a block of QM_WARPS warps owns 16·MT consecutive rows; warp w takes the 128-groups
+// G ≡ w (mod QM_WARPS), accumulating per group: acc = fmaf(scale, group_sum, acc). The block then
+// adds the warps' partial sums in warp order. Everything is a function of N and K (MT from N and
+// the SM count), and each output column (token) is computed by the tensor core independently of
+// the others, so row t of a T-row call is bit-identical to a 1-row call (MTP verification).
+
+#define QM_WARPS 8
+
+// Two floats as bf16x2, round to nearest even (`lo_val` in the low half).
+__device__ __forceinline__ u32 qm_bf16x2(float lo_val, float hi_val) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi_val), "f"(lo_val));
+    return r;
+}
+
+// x0, x1 → bf16x2 hi and lo terms (x = hi + lo to 2^-17 relative).
+__device__ __forceinline__ void qm_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = qm_bf16x2(x0, x1);
+    const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+    lo = qm_bf16x2(x0 - h0, x1 - h1);
+}
+
+// Nibbles at bits 0..3 and 16..19 of u (the rest masked off) → exact bf16x2 (n0 - 8, n1 - 8).
+__device__ __forceinline__ u32 qm_deq(u32 u) {
+    u32 h;
+    asm("lop3.b32 %0, %1, 0x000f000f, 0x43004300, 0xea;" : "=r"(h) : "r"(u));  // (u & m) | c
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+// D (f32x4) += A (bf16 16x16, row) * B (bf16 16x8, col).
+__device__ __forceinline__ void qm_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 qm_word(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Streaming 16-byte load (read once: no L1 allocation).
+__device__ __forceinline__ uint4 qm_ld_stream(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// x [T, K] f32 → xf [T][K/128][4][8] uint4 in the fragment order above. One thread per
+// (t, group, tq, w): codes e = 0..7 of word w, as {hi(0,4), hi(1,5), lo(0,4), lo(1,5)} (step h = 0)
+// and {hi(2,6), hi(3,7), lo(2,6), lo(3,7)} (step h = 1). K % 128 == 0.
+extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // = t * K/8 + k/8
+    if (i >= (u64)T * (K / 8)) return;
+    const float4 a = ((const float4*)x)[2 * i];
+    const float4 b = ((const float4*)x)[2 * i + 1];
+    u32 h04, l04, h15, l15, h26, l26, h37, l37;
+    qm_split(a.x, b.x, h04, l04);
+    qm_split(a.y, b.y, h15, l15);
+    qm_split(a.z, b.z, h26, l26);
+    qm_split(a.w, b.w, h37, l37);
+    // i enumerates (t, G, tq, w) in this order already: k/8 = 16·G + 4·tq + w.
+    xf[2 * i] = make_uint4(h04, h15, l04, l15);
+    xf[2 * i + 1] = make_uint4(h26, h37, l26, l37);
+}
+
+template <int MT>
+__device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff) {
+    __shared__ float red[QM_WARPS][MT][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const u64 NG = K / 128, rb = K / 2;
+    const u64 row0 = (u64)blockIdx.x * 16 * MT;
+    const u8* wa[MT];
+    const u8* wb[MT];
+    const u16* sa[MT];
+    const u16* sb[MT];
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+        // Rows past N re-read row N - 1 (never stored).
+        const u64 na = row0 + 16 * m + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rbw = nb < N ? nb : N - 1;
+        wa[m] = w + ra * rb + tq * 16;
+        wb[m] = w + rbw * rb + tq * 16;
+        sa[m] = (const u16*)(w + soff) + ra * NG;
+        sb[m] = (const u16*)(w + soff) + rbw * NG;
+    }
+    // Token column g: lanes with g >= T feed zeros (their columns are never stored).
+    const bool live = g < T;
+    const uint4* xq = xf + ((u64)(live ? g : 0) * NG * 4 + tq) * 8;
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[m][i] = 0.0f;
+
+    // Software pipeline: the next group's codes, scales and x are loaded before this one is used.
+    uint4 ca[MT], cb[MT], xv[8];
+    float da[MT], db[MT];
+    auto load = [&](u64 G) {
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            ca[m] = qm_ld_stream(wa[m] + G * 64);
+            cb[m] = qm_ld_stream(wb[m] + G * 64);
+            da[m] = f16_to_f32(sa[m][G]);
+            db[m] = f16_to_f32(sb[m][G]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) xv[j] = live ? xq[G * 32 + j] : make_uint4(0u, 0u, 0u, 0u);
+    };
+    u64 G = warp;
+    if (G < NG) load(G);
+    while (G < NG) {
+        uint4 pa[MT], pb[MT], px[8];
+        float qa[MT], qb[MT];
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            pa[m] = ca[m];
+            pb[m] = cb[m];
+            qa[m] = da[m];
+            qb[m] = db[m];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) px[j] = xv[j];
+        const u64 Gn = G + QM_WARPS;
+        if (Gn < NG) load(Gn);
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            float cg[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int wd = 0; wd < 4; wd++) {
+                const u32 va = qm_word(pa[m], wd), vb = qm_word(pb[m], wd);
+                const uint4 x0 = px[2 * wd], x1 = px[2 * wd + 1];
+                // step h = 0: codes (0, 4) and (1, 5)
+                u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
+                qm_mma(cg, a0, a1, a2, a3, x0.x, x0.y);
+                qm_mma(cg, a0, a1, a2, a3, x0.z, x0.w);
+                // step h = 1: codes (2, 6) and (3, 7)
+                a0 = qm_deq(va >> 8);
+                a1 = qm_deq(vb >> 8);
+                a2 = qm_deq(va >> 12);
+                a3 = qm_deq(vb >> 12);
+                qm_mma(cg, a0, a1, a2, a3, x1.x, x1.y);
+                qm_mma(cg, a0, a1, a2, a3, x1.z, x1.w);
+            }
+            // C layout: cg[0], cg[1] = (row g, tokens 2tq, 2tq+1); cg[2], cg[3] = (row g + 8, ...).
+            acc[m][0] = fmaf(qa[m], cg[0], acc[m][0]);
+            acc[m][1] = fmaf(qa[m], cg[1], acc[m][1]);
+            acc[m][2] = fmaf(qb[m], cg[2], acc[m][2]);
+            acc[m][3] = fmaf(qb[m], cg[3], acc[m][3]);
+        }
+        G = Gn;
+    }
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[warp][m][i][lane] = acc[m][i];
+    __syncthreads();
+    // Sum the warps in order; entry (m, i, lane) → row row0 + 16m + g (+8 for i >= 2), token
+    // 2tq + (i & 1).
+    for (int e = threadIdx.x; e < MT * 4 * 32; e += QM_WARPS * 32) {
+        const int m = e / 128, i = (e >> 5) & 3, ln = e & 31;
+        const u64 row = row0 + 16 * m + (ln >> 2) + (i >= 2 ? 8 : 0);
+        const int t = 2 * (ln & 3) + (i & 1);
+        if (t < T && row < N) {
+            float s = red[0][m][i][ln];
+#pragma unroll
+            for (int ww = 1; ww < QM_WARPS; ww++) s += red[ww][m][i][ln];
+            y[(u64)t * N + row] = s;
+        }
+    }
+}
+
+#define Q4MMA_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff
+// MT m-tiles of 16 rows per block (the launcher picks it from N and the SM count).
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m1(Q4MMA_ARGS) { q4mma_body<1>(xf, w, y, T, K, N, soff); }
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m2(Q4MMA_ARGS) { q4mma_body<2>(xf, w, y, T, K, N, soff); }
+extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4>(xf, w, y, T, K, N, soff); }
