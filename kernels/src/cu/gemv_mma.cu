@@ -91,7 +91,7 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
     xf[2 * i + 1] = make_uint4(h26, h37, l26, l37);
 }
 
-template <int MT>
+template <int MT, int P>
 __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff) {
     __shared__ float red[QM_WARPS][MT][4][32];
@@ -122,62 +122,68 @@ __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[m][i] = 0.0f;
 
-    // Software pipeline: the next group's codes, scales and x are loaded before this one is used.
-    uint4 ca[MT], cb[MT], xv[8];
-    float da[MT], db[MT];
-    auto load = [&](u64 G) {
+    // Software pipeline: a ring of P stages of codes and scales in registers, P groups in flight
+    // per warp (P·MT KB of codes); the x fragments of a group are loaded when it is computed
+    // (L2/L1 hits: xprep wrote them just before).
+    uint4 ca[P][MT], cb[P][MT];
+    float da[P][MT], db[P][MT];
+    auto load = [&](int s, u64 G) {
+        if (G < NG) {
 #pragma unroll
-        for (int m = 0; m < MT; m++) {
-            ca[m] = qm_ld_stream(wa[m] + G * 64);
-            cb[m] = qm_ld_stream(wb[m] + G * 64);
-            da[m] = f16_to_f32(sa[m][G]);
-            db[m] = f16_to_f32(sb[m][G]);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) xv[j] = live ? xq[G * 32 + j] : make_uint4(0u, 0u, 0u, 0u);
-    };
-    u64 G = warp;
-    if (G < NG) load(G);
-    while (G < NG) {
-        uint4 pa[MT], pb[MT], px[8];
-        float qa[MT], qb[MT];
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            pa[m] = ca[m];
-            pb[m] = cb[m];
-            qa[m] = da[m];
-            qb[m] = db[m];
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) px[j] = xv[j];
-        const u64 Gn = G + QM_WARPS;
-        if (Gn < NG) load(Gn);
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            float cg[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int wd = 0; wd < 4; wd++) {
-                const u32 va = qm_word(pa[m], wd), vb = qm_word(pb[m], wd);
-                const uint4 x0 = px[2 * wd], x1 = px[2 * wd + 1];
-                // step h = 0: codes (0, 4) and (1, 5)
-                u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
-                qm_mma(cg, a0, a1, a2, a3, x0.x, x0.y);
-                qm_mma(cg, a0, a1, a2, a3, x0.z, x0.w);
-                // step h = 1: codes (2, 6) and (3, 7)
-                a0 = qm_deq(va >> 8);
-                a1 = qm_deq(vb >> 8);
-                a2 = qm_deq(va >> 12);
-                a3 = qm_deq(vb >> 12);
-                qm_mma(cg, a0, a1, a2, a3, x1.x, x1.y);
-                qm_mma(cg, a0, a1, a2, a3, x1.z, x1.w);
+            for (int m = 0; m < MT; m++) {
+                ca[s][m] = qm_ld_stream(wa[m] + G * 64);
+                cb[s][m] = qm_ld_stream(wb[m] + G * 64);
+                da[s][m] = f16_to_f32(sa[m][G]);
+                db[s][m] = f16_to_f32(sb[m][G]);
             }
-            // C layout: cg[0], cg[1] = (row g, tokens 2tq, 2tq+1); cg[2], cg[3] = (row g + 8, ...).
-            acc[m][0] = fmaf(qa[m], cg[0], acc[m][0]);
-            acc[m][1] = fmaf(qa[m], cg[1], acc[m][1]);
-            acc[m][2] = fmaf(qb[m], cg[2], acc[m][2]);
-            acc[m][3] = fmaf(qb[m], cg[3], acc[m][3]);
         }
-        G = Gn;
+    };
+#pragma unroll
+    for (int s = 0; s < P; s++) load(s, (u64)warp + (u64)s * QM_WARPS);
+    for (u64 G0 = warp; G0 < NG; G0 += (u64)P * QM_WARPS) {
+#pragma unroll
+        for (int s = 0; s < P; s++) {
+            const u64 G = G0 + (u64)s * QM_WARPS;
+            if (G >= NG) break;
+            uint4 px[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) px[j] = live ? xq[G * 32 + j] : make_uint4(0u, 0u, 0u, 0u);
+            uint4 pa[MT], pb[MT];
+            float qa[MT], qb[MT];
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                pa[m] = ca[s][m];
+                pb[m] = cb[s][m];
+                qa[m] = da[s][m];
+                qb[m] = db[s][m];
+            }
+            load(s, G + (u64)P * QM_WARPS);  // refill this stage
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                float cg[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int wd = 0; wd < 4; wd++) {
+                    const u32 va = qm_word(pa[m], wd), vb = qm_word(pb[m], wd);
+                    const uint4 x0 = px[2 * wd], x1 = px[2 * wd + 1];
+                    // step h = 0: codes (0, 4) and (1, 5)
+                    u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
+                    qm_mma(cg, a0, a1, a2, a3, x0.x, x0.y);
+                    qm_mma(cg, a0, a1, a2, a3, x0.z, x0.w);
+                    // step h = 1: codes (2, 6) and (3, 7)
+                    a0 = qm_deq(va >> 8);
+                    a1 = qm_deq(vb >> 8);
+                    a2 = qm_deq(va >> 12);
+                    a3 = qm_deq(vb >> 12);
+                    qm_mma(cg, a0, a1, a2, a3, x1.x, x1.y);
+                    qm_mma(cg, a0, a1, a2, a3, x1.z, x1.w);
+                }
+                // C layout: cg[0], cg[1] = (row g, tokens 2tq, 2tq+1); cg[2], cg[3] = (row g + 8).
+                acc[m][0] = fmaf(qa[m], cg[0], acc[m][0]);
+                acc[m][1] = fmaf(qa[m], cg[1], acc[m][1]);
+                acc[m][2] = fmaf(qb[m], cg[2], acc[m][2]);
+                acc[m][3] = fmaf(qb[m], cg[3], acc[m][3]);
+            }
+        }
     }
 #pragma unroll
     for (int m = 0; m < MT; m++)
@@ -200,7 +206,8 @@ __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u
 }
 
 #define Q4MMA_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff
-// MT m-tiles of 16 rows per block (the launcher picks it from N and the SM count).
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m1(Q4MMA_ARGS) { q4mma_body<1>(xf, w, y, T, K, N, soff); }
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m2(Q4MMA_ARGS) { q4mma_body<2>(xf, w, y, T, K, N, soff); }
-extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4>(xf, w, y, T, K, N, soff); }
+// MT m-tiles of 16 rows per block (the launcher picks it from N and the SM count), P pipeline
+// stages: 4 KB of codes in flight per warp where the registers allow.
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m1(Q4MMA_ARGS) { q4mma_body<1, 4>(xf, w, y, T, K, N, soff); }
+extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m2(Q4MMA_ARGS) { q4mma_body<2, 2>(xf, w, y, T, K, N, soff); }
+extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4, 2>(xf, w, y, T, K, N, soff); }
