@@ -35,8 +35,21 @@ impl CudaBackend {
         })
     }
 
-    /// Allocates `bytes` (uninitialised) on the compute stream.
+    /// Allocates `bytes` (uninitialised) for a tensor, weight or scratch value: from the lent
+    /// arena region while one is lent ([`crate::lend`]), else on the compute stream.
     pub(crate) fn alloc_bytes(
+        &self,
+        bytes: usize,
+        what: &str,
+    ) -> Result<Arc<DeviceAlloc>, OpError> {
+        if let Some(a) = self.alloc_lent(bytes, what)? {
+            return Ok(a);
+        }
+        self.alloc_owned(bytes, what)
+    }
+
+    /// Allocates `bytes` (uninitialised) of its own on the compute stream, never from a loan.
+    pub(crate) fn alloc_owned(
         &self,
         bytes: usize,
         what: &str,

@@ -21,11 +21,13 @@ mod bench;
 mod blas;
 pub mod compile;
 mod launch;
+mod lend;
 mod memory;
 mod ops;
 mod types;
 
 pub use blas::{PrefillGemm, GEMM_ENV};
+pub use lend::{LEND_DEFAULT, LEND_ENV};
 pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
@@ -68,6 +70,10 @@ pub struct CudaBackend {
     pub(crate) blas: blas::BlasState,
     /// The q4_g128 decode GEMV path (tensor cores or SIMT).
     pub(crate) q4_gemv: ops::linear::q4mma::Q4GemvState,
+    /// The arena region lent to the allocator now, if any ([`lend`]).
+    pub(crate) lend: Mutex<Option<lend::Lend>>,
+    /// Whether region loans redirect allocations ([`lend::LEND_ENV`]).
+    pub(crate) lend_enabled: std::sync::atomic::AtomicBool,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -162,6 +168,8 @@ impl CudaBackend {
             attn_wave_blocks: Mutex::new(HashMap::new()),
             blas: blas::BlasState::from_env(),
             q4_gemv: ops::linear::q4mma::Q4GemvState::from_env(),
+            lend: Mutex::new(None),
+            lend_enabled: std::sync::atomic::AtomicBool::new(lend::lend_from_env()),
         })
     }
 

@@ -5,6 +5,7 @@ use crate::{CudaBackend, CudaBuffer, CudaFence, CudaHostRegistration, InFlight};
 use cudarc::driver::{result, sys};
 use kvstream_memory_contracts::error::{HostError, OpError, TransferError};
 use kvstream_memory_contracts::host::{HostBytes, HostRange, PinnedHost};
+use kvstream_memory_contracts::region_alloc::RegionLoanReport;
 use kvstream_memory_contracts::transfer::{check_range, CopyEngine, DeviceMemory};
 use std::sync::Arc;
 
@@ -38,7 +39,7 @@ impl CudaBackend {
 impl DeviceMemory for CudaBackend {
     fn alloc_buffer(&self, bytes: usize) -> Result<CudaBuffer, OpError> {
         let _span = tracing::debug_span!("alloc_buffer", bytes).entered();
-        let alloc = self.alloc_bytes(bytes, "buffer")?;
+        let alloc = self.alloc_owned(bytes, "buffer")?;
         // Zeroed (the contract leaves contents unspecified; zero makes stray reads visible and
         // matches the CPU backend). One memset per buffer: buffers are long-lived (the arena).
         self.ctx.bind_to_thread().map_err(dev("alloc_buffer"))?;
@@ -89,6 +90,19 @@ impl DeviceMemory for CudaBackend {
         self.copy.synchronize().map_err(dev("synchronize"))?;
         self.prune_inflight();
         Ok(())
+    }
+
+    fn begin_region_allocations(
+        &self,
+        parent: &CudaBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), OpError> {
+        self.begin_lend(parent, offset, len)
+    }
+
+    fn end_region_allocations(&self) -> Result<RegionLoanReport, OpError> {
+        Ok(self.end_lend())
     }
 }
 

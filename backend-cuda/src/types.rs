@@ -7,15 +7,45 @@ use kvstream_memory_contracts::backend::{
 };
 use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::host::HostBytes;
-use std::sync::Arc;
+use kvstream_memory_contracts::region_alloc::RegionAllocator;
+use std::sync::{Arc, Mutex};
 
 /// One device allocation. The raw pointer is taken once; every access goes through kernels or
 /// copies ordered by streams and fences (cudarc's own per-slice event tracking is disabled).
+/// Either its own driver allocation or a range of a lent arena region
+/// ([`DeviceMemory::begin_region_allocations`](kvstream_memory_contracts::transfer::DeviceMemory::begin_region_allocations)),
+/// which it returns to the region's allocator when dropped.
 #[derive(Debug)]
 pub struct DeviceAlloc {
-    slice: CudaSlice<u8>,
+    backing: Backing,
     ptr: u64,
     len: usize,
+}
+
+#[derive(Debug)]
+enum Backing {
+    Owned(CudaSlice<u8>),
+    Lent(LentRange),
+}
+
+/// `[offset, offset + reserved)` of a lent region's allocator, keeping the arena alive.
+#[derive(Debug)]
+struct LentRange {
+    _parent: Arc<DeviceAlloc>,
+    pool: Arc<Mutex<RegionAllocator>>,
+    offset: usize,
+    bytes: usize,
+}
+
+impl Drop for LentRange {
+    fn drop(&mut self) {
+        // Later users of the range are ordered after every earlier kernel on the compute stream,
+        // the only stream that touches tensors and weights.
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free(self.offset, self.bytes);
+    }
 }
 
 impl DeviceAlloc {
@@ -24,7 +54,33 @@ impl DeviceAlloc {
             let (ptr, _sync) = slice.device_ptr(stream);
             ptr
         };
-        Self { slice, ptr, len }
+        Self {
+            backing: Backing::Owned(slice),
+            ptr,
+            len,
+        }
+    }
+    /// `len` usable bytes at `offset` of the lent region whose allocator is `pool` (the offset
+    /// and `reserve` bytes as that allocator handed them out), `region_base` bytes into `parent`.
+    pub(crate) fn lent(
+        parent: Arc<DeviceAlloc>,
+        region_base: usize,
+        pool: Arc<Mutex<RegionAllocator>>,
+        offset: usize,
+        reserve: usize,
+        len: usize,
+    ) -> Self {
+        let ptr = parent.ptr + (region_base + offset) as u64;
+        Self {
+            backing: Backing::Lent(LentRange {
+                _parent: parent,
+                pool,
+                offset,
+                bytes: reserve,
+            }),
+            ptr,
+            len,
+        }
     }
     /// Device address of byte 0.
     pub fn ptr(&self) -> u64 {
@@ -38,17 +94,26 @@ impl DeviceAlloc {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Bytes actually allocated (at least 4 so that empty tensors still have an address).
+    /// Bytes actually allocated (at least 16 so that empty tensors still have an address).
     pub fn allocated(&self) -> usize {
-        self.slice.len()
+        match &self.backing {
+            Backing::Owned(s) => s.len(),
+            Backing::Lent(r) => r.bytes,
+        }
+    }
+    /// True when this allocation is a range of a lent arena region.
+    pub fn is_lent(&self) -> bool {
+        matches!(self.backing, Backing::Lent(_))
     }
 }
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
-        // cudarc frees the slice (cuMemFreeAsync on its stream) right after this body; make sure
-        // the context is current on whichever thread drops the last reference.
-        let _ = self.slice.stream().context().bind_to_thread();
+        // cudarc frees an owned slice (cuMemFreeAsync on its stream) right after this body; make
+        // sure the context is current on whichever thread drops the last reference.
+        if let Backing::Owned(s) = &self.backing {
+            let _ = s.stream().context().bind_to_thread();
+        }
     }
 }
 

@@ -26,6 +26,7 @@ pub mod error;
 pub mod host;
 pub mod kv;
 pub mod ops;
+pub mod region_alloc;
 pub mod report;
 pub mod transfer;
 pub mod weight_format;

@@ -27,6 +27,29 @@ pub trait DeviceMemory: Backend {
         -> Result<(), OpError>;
     /// Blocks until all queued compute and copy work has finished.
     fn synchronize(&self) -> Result<(), OpError>;
+    /// Lends `[offset, offset + len)` of `parent` (an arena buffer) to this backend's allocator:
+    /// until [`DeviceMemory::end_region_allocations`], every tensor and weight the backend
+    /// allocates is carved out of that region (an [`crate::region_alloc::RegionAllocator`]), and
+    /// a request that does not fit is [`OpError::OutOfMemory`] naming the region. Buffers from
+    /// [`DeviceMemory::alloc_buffer`] never come from a loan. The arena loans of the runtime
+    /// (the vision tower during an image encode) use it so that the encoder really runs inside
+    /// the arena. Backends whose tensors do not live in the arena's memory (the CPU backend:
+    /// host vectors) keep the default: nothing is redirected.
+    fn begin_region_allocations(
+        &self,
+        parent: &Self::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), OpError> {
+        let _ = (parent, offset, len);
+        Ok(())
+    }
+    /// Ends the loan begun by [`DeviceMemory::begin_region_allocations`] and reports its use.
+    /// Every allocation made inside it must have been dropped before the region is reused:
+    /// `live_count > 0` in the report is the caller's bug (the runtime turns it into an error).
+    fn end_region_allocations(&self) -> Result<crate::region_alloc::RegionLoanReport, OpError> {
+        Ok(crate::region_alloc::RegionLoanReport::default())
+    }
 }
 
 /// The asynchronous copy engine.

@@ -120,6 +120,10 @@ pub struct LoanRecord {
     pub weights_loaded: bool,
     /// Seconds spent encoding.
     pub encode_seconds: f64,
+    /// Bytes the backend itself carved out of the region at the peak of the encode (weights
+    /// loaded for it + intermediates); 0 on backends whose tensors are not device memory (CPU).
+    #[serde(default)]
+    pub region_peak_bytes: usize,
 }
 
 /// Vision counters: cumulative totals and the loans of the last multimodal call.
@@ -284,11 +288,16 @@ pub fn vision_weight_bytes(c: &VisionConfig) -> usize {
 /// Query rows per attention score block (the tower's blocked attention).
 const ATTN_QBLOCK: usize = 128;
 
+/// Bytes a backend may round one allocation up to inside a lent region
+/// ([`kvstream_memory_contracts::region_alloc::RegionAllocator`] on CUDA aligns to 256).
+const ALLOC_GRANULE: usize = 256;
+
 /// Upper estimate of the f32 bytes live while encoding an image of patch grid `grid`: the
 /// patches, the residual stream and its temporaries, rotary tables, qkv, one block of
 /// `min(128, frame)` query rows of attention scores over the frame for every head at once (the
 /// encoder attends in query blocks, never a whole `frame × frame` matrix per head), the MLP
-/// hidden, and the merger's buffers. Deterministic (independent of the thread count).
+/// hidden, and the merger's buffers, plus the allocation granularity of a lent region.
+/// Deterministic (independent of the thread count).
 pub fn vision_workspace_bytes(c: &VisionConfig, grid: [usize; 3]) -> usize {
     let [t, gh, gw] = grid;
     let n = t * gh * gw;
@@ -304,7 +313,10 @@ pub fn vision_workspace_bytes(c: &VisionConfig, grid: [usize; 3]) -> usize {
         + n * h
         + 2 * (n / m2) * h * m2
         + (n / m2) * c.out_hidden_size;
-    4 * floats
+    // Allocation granularity when the encoder runs inside the lent region: one granule for each
+    // of the tower's tensors (12 per block + 10) and each intermediate live at once (≤ 16 per
+    // block + 32).
+    4 * floats + ALLOC_GRANULE * (28 * c.depth + 42)
 }
 
 /// True when a safetensors checkpoint in `dir` (sharded index or single/multiple files) names
@@ -565,44 +577,77 @@ impl<B: ModelBackend> Engine<B> {
             Some((vc, _)) => (vc.clone(), self.cfg.model_dir.clone()),
             None => return Err(RuntimeError::Protocol("vision config vanished".into())),
         };
-        let (tower, loaded) = match self.mm.tower.take() {
-            Some(t) => (t, false),
-            None => {
-                let host = VisionTower::load_with_config(&dir, vc).map_err(vision_error)?;
+        // On backends whose tensors live in device memory the encoder's allocations are carved
+        // out of the leased `vision` region itself (weights too, unless they stay resident:
+        // resident weights outlive the loan, so they are allocated beside the arena).
+        let (region_off, region_len) = self.kv.arena().vision_range()?;
+        let keep = self.keep_resident();
+        let mut tower: Option<ResidentTower<B>> = self.mm.tower.take();
+        let loaded = tower.is_none();
+        let mut host_only = None;
+        if tower.is_none() {
+            let host = VisionTower::load_with_config(&dir, vc).map_err(vision_error)?;
+            if keep {
                 let device = host.upload(&self.backend).map_err(vision_error)?;
-                (ResidentTower { host, device }, true)
+                tower = Some(ResidentTower { host, device });
+            } else {
+                host_only = Some(host);
             }
-        };
+        }
+        let parent = self.kv.arena().parent();
+        self.backend
+            .begin_region_allocations(parent, region_off, region_len)?;
+        let t = Instant::now();
+        let run = (|| -> Result<(Vec<f32>, usize)> {
+            let uploaded;
+            let (host, device) = match (&tower, &host_only) {
+                (Some(r), _) => (&r.host, &r.device),
+                (None, Some(h)) => {
+                    uploaded = h.upload(&self.backend).map_err(vision_error)?;
+                    (h, &uploaded)
+                }
+                (None, None) => {
+                    return Err(RuntimeError::Protocol(
+                        "no vision tower to encode with".into(),
+                    ))
+                }
+            };
+            // The encoder's bytes are accounted against the region: the weights held on the
+            // backend inside the loan + the workspace estimate.
+            let in_loan = if weights > 0 { host.weight_bytes() } else { 0 };
+            if in_loan + ws > loan {
+                return Err(RuntimeError::Protocol(format!(
+                    "vision encoder needs {} bytes, the loan has {loan}",
+                    in_loan + ws
+                )));
+            }
+            let rows = host
+                .encode_with(&self.backend, device, img.preprocessed())
+                .map_err(vision_error)?;
+            Ok((rows, host.weight_bytes()))
+        })();
+        // Every allocation made inside the region has been dropped by now (the encoder's
+        // intermediates inside `encode_with`, a non-resident tower at the end of `run`).
+        let report = self.backend.end_region_allocations()?;
+        if report.live_count > 0 {
+            return Err(RuntimeError::Protocol(format!(
+                "{} allocations outlived the vision loan (a bug: the region returns to the KV pool)",
+                report.live_count
+            )));
+        }
+        let (rows, tower_bytes) = run?;
+        let encode_seconds = t.elapsed().as_secs_f64();
         if loaded {
             self.mm.stats.weight_loads += 1;
         }
-        // The encoder's bytes are accounted against the region: the weights held on the backend
-        // inside the loan + the workspace estimate.
-        let in_loan = if weights > 0 {
-            tower.host.weight_bytes()
-        } else {
-            0
-        };
-        if in_loan + ws > loan {
-            return Err(RuntimeError::Protocol(format!(
-                "vision encoder needs {} bytes, the loan has {loan}",
-                in_loan + ws
-            )));
+        match tower.take() {
+            Some(t) if keep => {
+                self.mm.stats.resident_weight_bytes = t.host.weight_bytes() as u64;
+                self.mm.tower = Some(t);
+            }
+            _ => self.mm.stats.resident_weight_bytes = 0,
         }
-        let t = Instant::now();
-        let rows = tower
-            .host
-            .encode_with(&self.backend, &tower.device, img.preprocessed())
-            .map_err(vision_error)?;
-        let encode_seconds = t.elapsed().as_secs_f64();
-        if self.keep_resident() {
-            self.mm.stats.resident_weight_bytes = tower.host.weight_bytes() as u64;
-            self.mm.tower = Some(tower);
-        } else {
-            // Frees the backend weights and the host copy before the loan ends.
-            drop(tower);
-            self.mm.stats.resident_weight_bytes = 0;
-        }
+        let _ = tower_bytes;
         self.mm.stats.images += 1;
         self.mm.stats.peak_loan_bytes = self.mm.stats.peak_loan_bytes.max(loan as u64);
         self.mm.stats.loans.push(LoanRecord {
@@ -617,6 +662,7 @@ impl<B: ModelBackend> Engine<B> {
             arena_used_after: 0,
             weights_loaded: loaded,
             encode_seconds,
+            region_peak_bytes: report.peak_bytes,
         });
         Ok(rows)
     }

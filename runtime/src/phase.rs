@@ -255,6 +255,11 @@ impl<B: Backend> PhaseArena<B> {
         let v = self.arena.view("kv_pool")?;
         Ok((v.offset, v.len))
     }
+    /// Byte range `(offset, len)` of the `vision` region of a [`Phase::Vision`] loan.
+    pub fn vision_range(&self) -> Result<(usize, usize)> {
+        let v = self.arena.view("vision")?;
+        Ok((v.offset, v.len))
+    }
     /// The admission input.
     pub fn input(&self) -> &ArenaPlanInput {
         &self.input
