@@ -13,17 +13,19 @@ use std::sync::{Arc, Mutex};
 /// Alignment of every lent range (arena regions are 256-byte aligned).
 const LEND_ALIGN: usize = 256;
 
-/// Environment variable: `1` makes region loans redirect allocations (see [`LEND_DEFAULT`]).
+/// Environment variable: `0` turns the redirect off (a loan is then accounting only, the CPU
+/// backend's behaviour, and the encoder's tensors are allocations beside the arena); `1` or unset
+/// keeps [`LEND_DEFAULT`].
 pub const LEND_ENV: &str = "KVSTREAM_CUDA_LEND";
 
-/// Whether loans redirect allocations when [`LEND_ENV`] is unset. Off until the redirect has been
-/// qualified on a GPU (docs/benchmarks.md); off, a loan is accounting only (the CPU backend's
-/// behaviour) and the encoder's tensors are allocations beside the arena.
-pub const LEND_DEFAULT: bool = false;
+/// Whether loans redirect allocations when [`LEND_ENV`] is unset: on (qualified on the H200 in
+/// session 4: the lend suite, the vision suite and the engine's image check with the redirect on,
+/// memcheck clean; docs/benchmarks.md).
+pub const LEND_DEFAULT: bool = true;
 
 pub(crate) fn lend_from_env() -> bool {
     match std::env::var(LEND_ENV) {
-        Ok(v) => v.trim() == "1",
+        Ok(v) => v.trim() != "0",
         Err(_) => LEND_DEFAULT,
     }
 }
