@@ -77,7 +77,7 @@ elif [ "$STAGE" = 2 ]; then
   done
 else
   for tool in memcheck racecheck; do
-    for t in $(grep -E 'ops_vs_cpu|attention|gdn' "$D/tests.list"); do
+    for t in $(grep -E 'ops_vs_cpu|attention|gdn|lend|vision' "$D/tests.list"); do
       extra=()
       [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
       step "$tool-$t" "${T_SAN:-90}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 \
