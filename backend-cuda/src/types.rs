@@ -101,10 +101,6 @@ impl DeviceAlloc {
             Backing::Lent(r) => r.bytes,
         }
     }
-    /// True when this allocation is a range of a lent arena region.
-    pub fn is_lent(&self) -> bool {
-        matches!(self.backing, Backing::Lent(_))
-    }
 }
 
 impl Drop for DeviceAlloc {

@@ -598,7 +598,7 @@ impl<B: ModelBackend> Engine<B> {
         self.backend
             .begin_region_allocations(parent, region_off, region_len)?;
         let t = Instant::now();
-        let run = (|| -> Result<(Vec<f32>, usize)> {
+        let run = (|| -> Result<Vec<f32>> {
             let uploaded;
             let (host, device) = match (&tower, &host_only) {
                 (Some(r), _) => (&r.host, &r.device),
@@ -621,10 +621,8 @@ impl<B: ModelBackend> Engine<B> {
                     in_loan + ws
                 )));
             }
-            let rows = host
-                .encode_with(&self.backend, device, img.preprocessed())
-                .map_err(vision_error)?;
-            Ok((rows, host.weight_bytes()))
+            host.encode_with(&self.backend, device, img.preprocessed())
+                .map_err(vision_error)
         })();
         // Every allocation made inside the region has been dropped by now (the encoder's
         // intermediates inside `encode_with`, a non-resident tower at the end of `run`).
@@ -635,7 +633,7 @@ impl<B: ModelBackend> Engine<B> {
                 report.live_count
             )));
         }
-        let (rows, tower_bytes) = run?;
+        let rows = run?;
         let encode_seconds = t.elapsed().as_secs_f64();
         if loaded {
             self.mm.stats.weight_loads += 1;
@@ -647,7 +645,6 @@ impl<B: ModelBackend> Engine<B> {
             }
             _ => self.mm.stats.resident_weight_bytes = 0,
         }
-        let _ = tower_bytes;
         self.mm.stats.images += 1;
         self.mm.stats.peak_loan_bytes = self.mm.stats.peak_loan_bytes.max(loan as u64);
         self.mm.stats.loans.push(LoanRecord {
