@@ -273,9 +273,13 @@ fn main() -> Result<(), Box<dyn Error>> {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            // q4_g128: the tensor-core kernel (default) and the SIMT one.
+            // q4_g128: the tensor-core kernels (plain and persistent) and the SIMT one.
             let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
-                &[Some(Q4Gemv::Mma), Some(Q4Gemv::Simt)]
+                &[
+                    Some(Q4Gemv::MmaPersistent),
+                    Some(Q4Gemv::Mma),
+                    Some(Q4Gemv::Simt),
+                ]
             } else {
                 &[None]
             };
@@ -285,6 +289,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 }
                 let tag = match path {
                     Some(Q4Gemv::Mma) => " (mma)",
+                    Some(Q4Gemv::MmaPersistent) => " (mmap)",
                     Some(Q4Gemv::Simt) => " (simt)",
                     None => "",
                 };

@@ -102,6 +102,8 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_q4mma_m1",
             "gemv_q4mma_m2",
             "gemv_q4mma_m4",
+            "gemv_q4mmap",
+            "gemv_q4mmap_xs",
         ],
     },
     KernelModule {

@@ -9,6 +9,7 @@
 mod gemm;
 mod plan;
 pub(crate) mod q4mma;
+mod q4mmap;
 
 use crate::launch::args;
 use crate::types::dtype_code;
@@ -147,10 +148,21 @@ impl LinearOps for CudaBackend {
         let (xp, wp, dt, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), out.ptr());
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
-            if w.dtype == WeightDType::Q4G128 && self.q4_gemv() == q4mma::Q4Gemv::Mma {
-                if let Some(plan) = q4mma::q4_mma_plan(n, k, wp, soff, self.sm_count) {
-                    self.gemv_q4_mma(plan, x, wp, soff, &out, t, n, k)?;
-                    return Ok(out);
+            if w.dtype == WeightDType::Q4G128 {
+                match self.q4_gemv() {
+                    q4mma::Q4Gemv::Mma => {
+                        if let Some(plan) = q4mma::q4_mma_plan(n, k, wp, soff, self.sm_count) {
+                            self.gemv_q4_mma(plan, x, wp, soff, &out, t, n, k)?;
+                            return Ok(out);
+                        }
+                    }
+                    q4mma::Q4Gemv::MmaPersistent => {
+                        if let Some(plan) = q4mmap::q4_mmap_plan(n, k, wp, soff, self.sm_count) {
+                            self.gemv_q4_mmap(plan, x, wp, soff, &out, t, n, k)?;
+                            return Ok(out);
+                        }
+                    }
+                    q4mma::Q4Gemv::Simt => {}
                 }
             }
             let t32 = t as i32;

@@ -211,3 +211,168 @@ __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m1(Q4MMA_ARGS) { q4mma_body<1, 4>(xf, w, y, T, K, N, soff); }
 extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m2(Q4MMA_ARGS) { q4mma_body<2, 2>(xf, w, y, T, K, N, soff); }
 extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4, 2>(xf, w, y, T, K, N, soff); }
+
+// ------------------------------------------------------------------------------------------------
+// Persistent variant (`gemv_q4mmap`, `gemv_q4mmap_xs`): the same fragments, K permutation and
+// precision as above, arranged so that every warp streams without pause.
+//
+// Grid: any number of blocks of QM_WARPS warps (the launcher: SMs × resident blocks). The warps
+// form teams of S (1, 2, 4 or 8; the launcher picks S from N, K and the SM count only, never from
+// T or the grid). Team j of the grid takes the 16-row m-tiles j, j + teams, ...; member m of a team
+// the 128-groups G ≡ m (mod S) of each of its tiles. A warp's (tile, group) items flow through a
+// QP_P-stage register ring (codes and scales of QP_P items in flight), across tile boundaries.
+// Per item two independent MMA chains (the hi and the lo halves of x) accumulate the group's
+// products; the group sum (hi + lo) is scaled by the group's scale: acc = fmaf(d, hi + lo, acc).
+// Per tile the members' sums are added in member order ((p0 + p1) + p2) + ... through a
+// double-buffered shared array and a team barrier (bar.sync 1 + team, 32·S threads).
+// `_xs`: the x fragments (T·K·4 bytes) are first staged in shared memory (dynamic, 16-aligned);
+// otherwise they are read from global memory (L1). Both read the same values, so every output
+// (t, n) is the same function of x and w for every T, grid and variant: row t of a T-row call
+// equals a 1-row call bit for bit (dead token columns read token 0's x and are never stored).
+
+#define QP_P 4
+
+__device__ __forceinline__ void qp_team_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <bool XS>
+__device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S) {
+    extern __shared__ __align__(16) uint4 qp_xs[];
+    __shared__ float red[2][QM_WARPS][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const u32 NG = (u32)(K / 128);
+    const u64 rb = K / 2;
+    const u32 tiles = (u32)((N + 15) / 16);
+    const int tpb = QM_WARPS / S;
+    const int member = warp % S, team = warp / S;
+    const u32 teams = gridDim.x * (u32)tpb;
+    const u32 team0 = blockIdx.x * (u32)tpb + (u32)team;
+    if (XS) {
+        const u32 n = (u32)T * NG * 32u;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[i] = xf[i];
+        __syncthreads();
+    }
+    // This member's groups per tile (the launcher guarantees S <= NG, so gcount >= 1).
+    const u32 gcount = (NG - (u32)member + (u32)S - 1) / (u32)S;
+    const u32 mytiles = team0 < tiles ? (tiles - team0 + teams - 1) / teams : 0;
+    const u32 total = mytiles * gcount;
+    // x fragments of token column g (dead columns g >= T read token 0; never stored).
+    const uint4* xq = (XS ? (const uint4*)qp_xs : xf) + ((u64)(g < T ? g : 0) * NG * 4 + tq) * 8;
+
+    // Load cursor: tile lt, group index lj; pointers of rows g and g + 8 at group member + lj·S.
+    u32 lt = team0, lj = 0;
+    const u8* pa = w;
+    const u8* pb = w;
+    const u16* sa = (const u16*)(w + soff);
+    const u16* sb = sa;
+    auto bases = [&](u32 tile) {
+        const u64 na = (u64)tile * 16 + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;  // past N: re-read row N - 1
+        pa = w + ra * rb + (u64)member * 64 + tq * 16;
+        pb = w + rr * rb + (u64)member * 64 + tq * 16;
+        sa = (const u16*)(w + soff) + ra * NG + member;
+        sb = (const u16*)(w + soff) + rr * NG + member;
+    };
+    if (total > 0) bases(lt);
+    uint4 ca[QP_P], cb[QP_P];
+    u32 da[QP_P], db[QP_P];
+    u32 issued = 0;
+    auto load = [&](int s) {
+        if (issued < total) {
+            ca[s] = qm_ld_stream(pa);
+            cb[s] = qm_ld_stream(pb);
+            da[s] = *sa;
+            db[s] = *sb;
+            issued++;
+            if (++lj == gcount) {
+                lj = 0;
+                lt += teams;
+                if (issued < total) bases(lt);
+            } else {
+                pa += (u64)S * 64;
+                pb += (u64)S * 64;
+                sa += S;
+                sb += S;
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < QP_P; s++) load(s);
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 ct = team0, cj = 0, ord = 0;
+    for (u32 i0 = 0; i0 < total; i0 += QP_P) {
+#pragma unroll
+        for (int s = 0; s < QP_P; s++) {
+            if (i0 + s >= total) break;
+            const uint4 va4 = ca[s], vb4 = cb[s];
+            const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
+            load(s);  // refill this stage with item i0 + s + QP_P
+            const uint4* xg = xq + (u64)(member + cj * S) * 32;
+            float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int wd = 0; wd < 4; wd++) {
+                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+                const uint4 x0 = xg[2 * wd], x1 = xg[2 * wd + 1];
+                u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
+                qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
+                qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
+                a0 = qm_deq(va >> 8);
+                a1 = qm_deq(vb >> 8);
+                a2 = qm_deq(va >> 12);
+                a3 = qm_deq(vb >> 12);
+                qm_mma(ch, a0, a1, a2, a3, x1.x, x1.y);
+                qm_mma(cl, a0, a1, a2, a3, x1.z, x1.w);
+            }
+            acc[0] = fmaf(qa, ch[0] + cl[0], acc[0]);
+            acc[1] = fmaf(qa, ch[1] + cl[1], acc[1]);
+            acc[2] = fmaf(qb, ch[2] + cl[2], acc[2]);
+            acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
+            if (++cj == gcount) {
+                // Tile ct done: C layout acc[0], acc[1] = (row g, tokens 2tq, 2tq + 1);
+                // acc[2], acc[3] = (row g + 8, same tokens).
+                const u64 r0 = (u64)ct * 16 + g;
+                const int t0 = 2 * tq;
+                if (S == 1) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const u64 row = r0 + (i >= 2 ? 8 : 0);
+                        const int t = t0 + (i & 1);
+                        if (t < T && row < N) y[(u64)t * N + row] = acc[i];
+                    }
+                } else {
+                    const int par = ord & 1;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) red[par][warp][i][lane] = acc[i];
+                    qp_team_sync(1 + team, 32 * S);
+                    if (member == 0) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            float v = acc[i];
+                            for (int m = 1; m < S; m++) v += red[par][warp + m][i][lane];
+                            const u64 row = r0 + (i >= 2 ? 8 : 0);
+                            const int t = t0 + (i & 1);
+                            if (t < T && row < N) y[(u64)t * N + row] = v;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+                cj = 0;
+                ct += teams;
+                ord++;
+            }
+        }
+    }
+}
+
+#define Q4MMAP_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap(Q4MMAP_ARGS) {
+    q4mmap_body<false>(xf, w, y, T, K, N, soff, S);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true>(xf, w, y, T, K, N, soff, S);
+}

@@ -13,10 +13,11 @@ use crate::launch::args;
 use crate::{CudaBackend, CudaTensor};
 use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Environment variable choosing the q4_g128 decode GEMV: `mma` takes the tensor-core kernel where
-/// the shape allows; `simt` (or unset) the SIMT kernels.
+/// the shape allows, `mmap` its persistent variant ([`super::q4mmap`]); `simt` (or unset) the SIMT
+/// kernels.
 pub const Q4_GEMV_ENV: &str = "KVSTREAM_Q4_GEMV";
 
 /// Warps per block (`QM_WARPS` in gemv_mma.cu).
@@ -31,6 +32,9 @@ const XPREP_THREADS: u32 = 256;
 pub enum Q4Gemv {
     /// Tensor cores (mma.m16n8k16, split-bf16 x, exact codes, f32 accumulation).
     Mma,
+    /// The same products in the persistent kernel (`gemv_q4mmap`: teams of warps stream their
+    /// (tile, group) items without pause; see [`super::q4mmap`]).
+    MmaPersistent,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
 }
@@ -38,19 +42,32 @@ pub enum Q4Gemv {
 /// Path state of one backend (initialised from [`Q4_GEMV_ENV`]).
 #[derive(Debug)]
 pub(crate) struct Q4GemvState {
-    use_mma: AtomicBool,
+    path: AtomicU8,
 }
 
 impl Q4GemvState {
     pub(crate) fn from_env() -> Self {
         Self {
-            use_mma: AtomicBool::new(selects_mma(std::env::var(Q4_GEMV_ENV).ok().as_deref())),
+            path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
         }
     }
 }
 
-fn selects_mma(v: Option<&str>) -> bool {
-    v.is_some_and(|s| s.trim().eq_ignore_ascii_case("mma"))
+/// The path an environment value selects (anything unknown: SIMT).
+fn selects(v: Option<&str>) -> Q4Gemv {
+    match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+        Some("mma") => Q4Gemv::Mma,
+        Some("mmap") => Q4Gemv::MmaPersistent,
+        _ => Q4Gemv::Simt,
+    }
+}
+
+fn code(p: Q4Gemv) -> u8 {
+    match p {
+        Q4Gemv::Simt => 0,
+        Q4Gemv::Mma => 1,
+        Q4Gemv::MmaPersistent => 2,
+    }
 }
 
 /// One tensor-core GEMV launch: the instance and its grid.
@@ -101,19 +118,42 @@ pub(crate) fn q4_mma_plan(
 impl CudaBackend {
     /// The q4_g128 decode GEMV path now.
     pub fn q4_gemv(&self) -> Q4Gemv {
-        if self.q4_gemv.use_mma.load(Ordering::Relaxed) {
-            Q4Gemv::Mma
-        } else {
-            Q4Gemv::Simt
+        match self.q4_gemv.path.load(Ordering::Relaxed) {
+            1 => Q4Gemv::Mma,
+            2 => Q4Gemv::MmaPersistent,
+            _ => Q4Gemv::Simt,
         }
     }
 
     /// Chooses the q4_g128 decode GEMV (overrides `KVSTREAM_Q4_GEMV`). Choose before decoding a
     /// session: MTP verification rows equal single-step rows only on one path.
     pub fn set_q4_gemv(&self, path: Q4Gemv) {
-        self.q4_gemv
-            .use_mma
-            .store(path == Q4Gemv::Mma, Ordering::Relaxed);
+        self.q4_gemv.path.store(code(path), Ordering::Relaxed);
+    }
+
+    /// Split-bf16 x in the MMA fragment order (`gemv_q4mma_xprep`): 4 bytes per value, the size
+    /// of x itself.
+    pub(crate) fn q4_mma_xprep(
+        &self,
+        x: &CudaTensor,
+        t: usize,
+        k: usize,
+    ) -> Result<CudaTensor, OpError> {
+        let xf = self.tensor_uninit(&[t, k])?;
+        let units = (t * k / 8) as u64;
+        let blocks = u32::try_from(units.div_ceil(XPREP_THREADS as u64))
+            .map_err(|_| OpError::shape("matmul", format!("{t} x {k} activations is too many")))?;
+        let (xp, xfp) = (x.ptr(), xf.ptr());
+        let (t32, k64) = (t as i32, k as u64);
+        let f = self.func("gemv_q4mma_xprep")?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (XPREP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut a = args![&xp, &xfp, &t32, &k64];
+        self.launch("gemv", f, cfg, &mut a)?;
+        Ok(xf)
     }
 
     /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores (`t` ≤ 8).
@@ -130,21 +170,9 @@ impl CudaBackend {
         k: usize,
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mma", t, n, k, mt = plan.mt).entered();
-        // Split-bf16 x in fragment order: 4 bytes per value, the size of x itself.
-        let xf = self.tensor_uninit(&[t, k])?;
-        let units = (t * k / 8) as u64;
-        let blocks = u32::try_from(units.div_ceil(XPREP_THREADS as u64))
-            .map_err(|_| OpError::shape("matmul", format!("{t} x {k} activations is too many")))?;
-        let (xp, xfp, yp) = (x.ptr(), xf.ptr(), y.ptr());
+        let xf = self.q4_mma_xprep(x, t, k)?;
+        let (xfp, yp) = (xf.ptr(), y.ptr());
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
-        let f = self.func("gemv_q4mma_xprep")?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (XPREP_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut a = args![&xp, &xfp, &t32, &k64];
-        self.launch("gemv", f, cfg, &mut a)?;
         let f = self.func(plan.name)?;
         let cfg = LaunchConfig {
             grid_dim: (plan.blocks, 1, 1),
@@ -161,12 +189,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_mma_selects_the_tensor_core_kernel() {
-        assert!(selects_mma(Some("mma")));
-        assert!(selects_mma(Some(" MMA ")));
-        assert!(!selects_mma(Some("simt")));
-        assert!(!selects_mma(Some("")));
-        assert!(!selects_mma(None));
+    fn env_values_select_their_path() {
+        assert_eq!(selects(Some("mma")), Q4Gemv::Mma);
+        assert_eq!(selects(Some(" MMA ")), Q4Gemv::Mma);
+        assert_eq!(selects(Some("mmap")), Q4Gemv::MmaPersistent);
+        assert_eq!(selects(Some("simt")), Q4Gemv::Simt);
+        assert_eq!(selects(Some("")), Q4Gemv::Simt);
+        assert_eq!(selects(Some("tensor")), Q4Gemv::Simt);
+        assert_eq!(selects(None), Q4Gemv::Simt);
+        for p in [Q4Gemv::Simt, Q4Gemv::Mma, Q4Gemv::MmaPersistent] {
+            let c = code(p);
+            let back = match c {
+                1 => Q4Gemv::Mma,
+                2 => Q4Gemv::MmaPersistent,
+                _ => Q4Gemv::Simt,
+            };
+            assert_eq!(back, p);
+        }
     }
 
     #[test]
