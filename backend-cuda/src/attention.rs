@@ -4,7 +4,7 @@
 //! Two accumulate kernels share one state layout (`[n_splits, width, q_heads, head_dim + 2]`, max
 //! in the log2 domain) and one finish kernel:
 //!
-//! * `attn_accumulate_q8q4` — the tensor-core path for Q8_0 K / Q4_0 V (exact operands): decode
+//! * `attn_q8q4_n{1..4}_d{64,128,256}` — the tensor-core path for Q8_0 K / Q4_0 V (exact operands): decode
 //!   and verification (widths 1..=4, one tile of every query) and prefill chunks (tiles of
 //!   `32 / group` queries over grid z, each tile skipping the chunks its causal mask hides),
 //!   chosen when [`CudaBackend::attention_uses_fast_path`] says so;
@@ -177,18 +177,24 @@ fn target_override() -> Option<usize> {
     })
 }
 
-/// The fast kernel and its register-capped (3 blocks per SM) twin (attention.cu).
-const FAST_KERNEL: &str = "attn_accumulate_q8q4";
-const FAST_KERNEL_O3: &str = "attn_accumulate_q8q4_o3";
-
-/// Environment variable: `3` takes the register-capped fast kernel (3 blocks per SM) where it fits
-/// more blocks than the uncapped one. Off by default: on the H200 it is 10% faster at width 1 but
-/// 1.5× slower at width 4 (its spills), and MTP verification runs width 4.
-pub const ATTN_OCC_ENV: &str = "KVSTREAM_ATTN_OCC";
-
-fn keep_uncapped() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| !std::env::var(ATTN_OCC_ENV).is_ok_and(|v| v.trim() == "3"))
+/// The fast kernel's instance for `nt` query n-tiles (1..=4) and `head_dim` (64, 128, 256): one
+/// entry point per instance (attention.cu), each with its own register budget.
+fn fast_kernel_name(nt: usize, head_dim: usize) -> Option<&'static str> {
+    Some(match (nt, head_dim) {
+        (1, 64) => "attn_q8q4_n1_d64",
+        (2, 64) => "attn_q8q4_n2_d64",
+        (3, 64) => "attn_q8q4_n3_d64",
+        (4, 64) => "attn_q8q4_n4_d64",
+        (1, 128) => "attn_q8q4_n1_d128",
+        (2, 128) => "attn_q8q4_n2_d128",
+        (3, 128) => "attn_q8q4_n3_d128",
+        (4, 128) => "attn_q8q4_n4_d128",
+        (1, 256) => "attn_q8q4_n1_d256",
+        (2, 256) => "attn_q8q4_n2_d256",
+        (3, 256) => "attn_q8q4_n3_d256",
+        (4, 256) => "attn_q8q4_n4_d256",
+        _ => return None,
+    })
 }
 
 fn force_generic() -> bool {
@@ -327,16 +333,15 @@ impl CudaBackend {
         self.fast_kernel(shape.head_dim).1
     }
 
-    /// The instance of the tensor-core attention kernel evaluations of `head_dim` run
-    /// (`attn_accumulate_q8q4` or its register-capped twin `attn_accumulate_q8q4_o3`).
+    /// The tensor-core attention instance a width-1 evaluation of `head_dim` runs (the one the
+    /// split target is sized for).
     pub fn fast_attention_kernel(&self, head_dim: usize) -> &'static str {
         self.fast_kernel(head_dim).0
     }
 
-    /// The fast kernel's instance for `head_dim` and one full wave of it in blocks (cached): the
-    /// register-capped `attn_accumulate_q8q4_o3` when `KVSTREAM_ATTN_OCC=3` and the device fits
-    /// more of its blocks per SM than of the uncapped kernel, else `attn_accumulate_q8q4`. A function of head_dim alone, so every width of a shape (decode,
-    /// verification) runs the same instance with the same splits.
+    /// The width-1 instance of the fast kernel for `head_dim` and one full wave of it in blocks
+    /// (cached): SMs × its blocks per SM (shared memory, registers). A function of head_dim
+    /// alone, so every width of a shape (decode, verification) runs with the same splits.
     fn fast_kernel(&self, head_dim: usize) -> (&'static str, usize) {
         let mut cache = self
             .attn_wave_blocks
@@ -345,8 +350,9 @@ impl CudaBackend {
         if let Some(&v) = cache.get(&head_dim) {
             return v;
         }
+        let name = fast_kernel_name(1, head_dim).unwrap_or("attn_q8q4_n1_d256");
         let smem = fast_smem_bytes(head_dim, 1);
-        let per_sm = |name: &'static str| -> Option<usize> {
+        let per_sm = || -> Option<usize> {
             let f = self.func(name).ok()?;
             if smem > self.max_smem_optin {
                 return None;
@@ -357,26 +363,10 @@ impl CudaBackend {
                 .ok()?;
             (n > 0).then_some(n as usize)
         };
-        let base = per_sm(FAST_KERNEL);
-        let capped = if keep_uncapped() {
-            None
-        } else {
-            per_sm(FAST_KERNEL_O3)
-        };
-        let choice = match (base, capped) {
-            (b, Some(c)) if c > b.unwrap_or(0) => (FAST_KERNEL_O3, c * self.sm_count),
-            (Some(b), _) => (FAST_KERNEL, b * self.sm_count),
-            _ => (FAST_KERNEL, TARGET_BLOCKS),
-        };
-        let choice = (choice.0, choice.1.max(1));
-        tracing::debug!(
-            head_dim,
-            kernel = choice.0,
-            blocks = choice.1,
-            "attention split target"
-        );
-        cache.insert(head_dim, choice);
-        choice
+        let blocks = per_sm().map_or(TARGET_BLOCKS, |b| b * self.sm_count).max(1);
+        tracing::debug!(head_dim, kernel = name, blocks, "attention split target");
+        cache.insert(head_dim, (name, blocks));
+        (name, blocks)
     }
 
     /// The generic kernel's token unit: the largest of 32, 16, 8, 4, 2, 1 dividing the page size
@@ -433,7 +423,8 @@ impl CudaBackend {
         state: &mut CudaTensor,
     ) -> Result<(), AttentionError> {
         let g = plan.geometry();
-        let name = self.fast_kernel(shape.head_dim).0;
+        let name = fast_kernel_name(cfg.nt, shape.head_dim)
+            .ok_or_else(|| cap(format!("no fast attention instance for {cfg:?}")))?;
         let f = self.func(name).map_err(op_err)?;
         reserve_smem(f, cfg.smem)?;
         let geo = Self::attn_geo(shape, g);
@@ -447,7 +438,7 @@ impl CudaBackend {
             shared_mem_bytes: cfg.smem as u32,
         };
         let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
-        let (ns, nt, qt) = (splits.count as i32, cfg.nt as i32, cfg.qt as i32);
+        let (ns, qt) = (splits.count as i32, cfg.qt as i32);
         for span in plan.spans() {
             let vec = copy_width(pp + span.offset as u64, g);
             let (off, first, count) = (
@@ -455,7 +446,7 @@ impl CudaBackend {
                 span.first_token as i32,
                 span.count as i32,
             );
-            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &nt, &qt];
+            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &qt];
             self.launch(name, f, launch, &mut a).map_err(op_err)?;
         }
         Ok(())
@@ -584,6 +575,20 @@ mod tests {
             k_type: KvType::Q8_0,
             v_type: KvType::Q4_0,
         }
+    }
+
+    #[test]
+    fn every_fast_instance_is_a_listed_kernel() {
+        for d in [64, 128, 256] {
+            for nt in 1..=4 {
+                let name = fast_kernel_name(nt, d).expect("instance");
+                assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
+                assert!(name.contains(&format!("_n{nt}_d{d}")), "{name}");
+            }
+            assert_eq!(fast_kernel_name(5, d), None);
+            assert_eq!(fast_kernel_name(0, d), None);
+        }
+        assert_eq!(fast_kernel_name(1, 96), None);
     }
 
     #[test]

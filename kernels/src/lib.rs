@@ -128,8 +128,18 @@ pub const MODULES: &[KernelModule] = &[
         source: include_str!("cu/attention.cu"),
         kernels: &[
             "attn_accumulate",
-            "attn_accumulate_q8q4",
-            "attn_accumulate_q8q4_o3",
+            "attn_q8q4_n1_d64",
+            "attn_q8q4_n2_d64",
+            "attn_q8q4_n3_d64",
+            "attn_q8q4_n4_d64",
+            "attn_q8q4_n1_d128",
+            "attn_q8q4_n2_d128",
+            "attn_q8q4_n3_d128",
+            "attn_q8q4_n4_d128",
+            "attn_q8q4_n1_d256",
+            "attn_q8q4_n2_d256",
+            "attn_q8q4_n3_d256",
+            "attn_q8q4_n4_d256",
             "attn_finish",
         ],
     },
@@ -176,7 +186,7 @@ pub mod launch {
     pub const ATT_THREADS: usize = 256;
     /// Most splits of one evaluation (`attn_finish` holds one weight per split in shared memory).
     pub const ATT_MAX_SPLITS: usize = 256;
-    /// Tokens per chunk of the fast Q8_0/Q4_0 decode kernel (`attn_accumulate_q8q4`, `FA_CHUNK`);
+    /// Tokens per chunk of the fast Q8_0/Q4_0 decode kernel (`attn_q8q4_n*_d*`, `FA_CHUNK`);
     /// pages must hold at least this many tokens for the fast kernel.
     pub const ATT_FAST_CHUNK: usize = 64;
     /// Threads per block of the fast kernel (4 warps, `FA_THREADS`).

@@ -508,8 +508,9 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         }
         __syncthreads();
 
-        // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i.
-        {
+        // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i (warps w < NT: the
+        // others hold only padding rows, whose alpha stays 1 and which are never written out).
+        if (w < NT) {
             const int rs = lane >> 2, part = lane & 3;
             const int r = w * 8 + rs;
             float* row = sS + r * FA_SROW;
@@ -655,38 +656,34 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     }
 }
 
-// Fast accumulate (see above). `qt` queries per tile (grid z = ceil(width / qt); qt = width for
-// decode and verification), `nt` = ceil(group * qt / 8) in 1..=4; head_dim in {64, 128, 256};
-// any other combination is a no-op (the launcher never sends one).
-#define FA_ENTRY_BODY                                                                                             \
-    extern __shared__ __align__(16) u8 fa_smem[];                                                                 \
-    const int sel = nt * 1000 + geo.head_dim;                                                                     \
-    switch (sel) {                                                                                                \
-        FA_CASE(1, 64) FA_CASE(2, 64) FA_CASE(3, 64) FA_CASE(4, 64)                                               \
-        FA_CASE(1, 128) FA_CASE(2, 128) FA_CASE(3, 128) FA_CASE(4, 128)                                           \
-        FA_CASE(1, 256) FA_CASE(2, 256) FA_CASE(3, 256) FA_CASE(4, 256)                                           \
-    default:                                                                                                      \
-        break;                                                                                                    \
-    }
-#define FA_CASE(N, DD)                                                                                          \
-    case N * 1000 + DD:                                                                                         \
+// Fast accumulate (see above): one entry point per (nt, head_dim), so each instance gets the
+// registers it needs (a single kernel switching over all twelve took the worst case, 255, for
+// every instance: 2 blocks per SM). `nt` = ceil(group * qt / 8) in 1..=4 query n-tiles; `qt`
+// queries per tile (grid z = ceil(width / qt); qt = width for decode and verification).
+// Instances with nt <= 3 are built for 3 blocks per SM (<= 168 registers, no spills with NVRTC
+// 13.0 for sm_90); nt = 4 keeps 2 (capping it spills).
+#define FA_PARAMS                                                                                        \
+    const float *q, const u8 *pool, float *state, AttnGeo geo, u64 span_offset, int span_first, int span_count, \
+        int n_splits, int vec, int qt
+#define FA_CALL(N, DD)                                                                                     \
+    {                                                                                                     \
+        extern __shared__ __align__(16) u8 fa_smem[];                                                    \
         fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, qt, fa_smem); \
-        break;
-extern "C" __global__ void attn_accumulate_q8q4(
-    const float* q, const u8* pool, float* state, AttnGeo geo, u64 span_offset, int span_first, int span_count,
-    int n_splits, int vec, int nt, int qt) {
-    FA_ENTRY_BODY
-}
-// The same kernel with registers capped for 3 blocks per SM (2 fit uncapped: 255 registers, ncu
-// on the H200). Opt-in (KVSTREAM_ATTN_OCC=3): 10% faster at width 1, but its spills (324 bytes)
-// make width 4 1.5x slower on the H200.
-extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_accumulate_q8q4_o3(
-    const float* q, const u8* pool, float* state, AttnGeo geo, u64 span_offset, int span_first, int span_count,
-    int n_splits, int vec, int nt, int qt) {
-    FA_ENTRY_BODY
-}
-#undef FA_CASE
-#undef FA_ENTRY_BODY
+    }
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d64(FA_PARAMS) FA_CALL(1, 64)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d64(FA_PARAMS) FA_CALL(2, 64)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d64(FA_PARAMS) FA_CALL(3, 64)
+extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d64(FA_PARAMS) FA_CALL(4, 64)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d128(FA_PARAMS) FA_CALL(1, 128)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d128(FA_PARAMS) FA_CALL(2, 128)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d128(FA_PARAMS) FA_CALL(3, 128)
+extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d128(FA_PARAMS) FA_CALL(4, 128)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d256(FA_PARAMS) FA_CALL(1, 256)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d256(FA_PARAMS) FA_CALL(2, 256)
+extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d256(FA_PARAMS) FA_CALL(3, 256)
+extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d256(FA_PARAMS) FA_CALL(4, 256)
+#undef FA_CALL
+#undef FA_PARAMS
 
 // ------------------------------------------------------------------------------------------------
 // out[qi, head * D + d] = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), splits summed in index
