@@ -268,6 +268,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     } else {
         &[(17408, 5120), (5120, 17408), (12288, 5120), (248_320, 5120)]
     };
+    let default_q4 = b.q4_gemv();
     for &(n, k) in gemv_shapes {
         for dt in formats {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
@@ -291,6 +292,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                     Some(Q4Gemv::Mma) => " (mma)",
                     Some(Q4Gemv::MmaPersistent) => " (mmap)",
                     Some(Q4Gemv::Simt) => " (simt)",
+                    Some(Q4Gemv::Auto) => " (auto)",
                     None => "",
                 };
                 for t in [1usize, 4] {
@@ -310,7 +312,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                     )?;
                 }
             }
-            b.set_q4_gemv(Q4Gemv::Simt);
+            b.set_q4_gemv(default_q4);
         }
     }
     prefill_gemm(&b, &mut report, &mut rng)?;

@@ -518,7 +518,12 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
                 s * mag * rng.random_range(0.5f32..1.0)
             })
             .collect();
-        for path in [Q4Gemv::Simt, Q4Gemv::Mma, Q4Gemv::MmaPersistent] {
+        for path in [
+            Q4Gemv::Simt,
+            Q4Gemv::Mma,
+            Q4Gemv::MmaPersistent,
+            Q4Gemv::Auto,
+        ] {
             p.gpu.set_q4_gemv(path);
             let run = |rows: &[f32], t: usize| -> Vec<f32> {
                 let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
@@ -547,7 +552,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
             }
         }
     }
-    p.gpu.set_q4_gemv(Q4Gemv::Simt);
+    p.gpu.set_q4_gemv(Q4Gemv::Auto);
 }
 
 /// Embedding rows of quantized tables: exactly the CPU's (and the contract's) dequantised rows.

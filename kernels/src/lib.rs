@@ -104,6 +104,8 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_q4mma_m4",
             "gemv_q4mmap",
             "gemv_q4mmap_xs",
+            "gemv_q4mmap3",
+            "gemv_q4mmap3_xs",
         ],
     },
     KernelModule {

@@ -149,7 +149,7 @@ impl LinearOps for CudaBackend {
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
             if w.dtype == WeightDType::Q4G128 {
-                match self.q4_gemv() {
+                match self.q4_gemv().for_rows(n) {
                     q4mma::Q4Gemv::Mma => {
                         if let Some(plan) = q4mma::q4_mma_plan(n, k, wp, soff, self.sm_count) {
                             self.gemv_q4_mma(plan, x, wp, soff, &out, t, n, k)?;
@@ -157,12 +157,12 @@ impl LinearOps for CudaBackend {
                         }
                     }
                     q4mma::Q4Gemv::MmaPersistent => {
-                        if let Some(plan) = q4mmap::q4_mmap_plan(n, k, wp, soff, self.sm_count) {
+                        if let Some(plan) = self.q4_mmap_plan(n, k, wp, soff) {
                             self.gemv_q4_mmap(plan, x, wp, soff, &out, t, n, k)?;
                             return Ok(out);
                         }
                     }
-                    q4mma::Q4Gemv::Simt => {}
+                    q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => {}
                 }
             }
             let t32 = t as i32;

@@ -73,9 +73,11 @@ __device__ __forceinline__ uint4 qm_ld_stream(const u8* p) {
     return v;
 }
 
-// x [T, K] f32 → xf [T][K/128][4][8] uint4 in the fragment order above. One thread per
-// (t, group, tq, w): codes e = 0..7 of word w, as {hi(0,4), hi(1,5), lo(0,4), lo(1,5)} (step h = 0)
-// and {hi(2,6), hi(3,7), lo(2,6), lo(3,7)} (step h = 1). K % 128 == 0.
+// x [T, K] f32 → xf [T][K/128][8][4] uint4 in the fragment order above: entry (t, G, j = 2w + h,
+// tq). One thread per (t, group, tq, w): codes e = 0..7 of word w, as {hi(0,4), hi(1,5), lo(0,4),
+// lo(1,5)} (step h = 0) and {hi(2,6), hi(3,7), lo(2,6), lo(3,7)} (step h = 1). The four lanes of a
+// token column (tq = 0..3) read 64 contiguous bytes per step (no bank or sector conflicts).
+// K % 128 == 0.
 extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // = t * K/8 + k/8
     if (i >= (u64)T * (K / 8)) return;
@@ -86,9 +88,10 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
     qm_split(a.y, b.y, h15, l15);
     qm_split(a.z, b.z, h26, l26);
     qm_split(a.w, b.w, h37, l37);
-    // i enumerates (t, G, tq, w) in this order already: k/8 = 16·G + 4·tq + w.
-    xf[2 * i] = make_uint4(h04, h15, l04, l15);
-    xf[2 * i + 1] = make_uint4(h26, h37, l26, l37);
+    // i enumerates (t, G, tq, w): k/8 = 16·G + 4·tq + w, and i / 16 = t·K/128 + G.
+    const u64 w = i & 3, tq = (i >> 2) & 3, base = (i >> 4) * 32;
+    xf[base + (2 * w) * 4 + tq] = make_uint4(h04, h15, l04, l15);
+    xf[base + (2 * w + 1) * 4 + tq] = make_uint4(h26, h37, l26, l37);
 }
 
 template <int MT, int P>
@@ -115,7 +118,7 @@ __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u
     }
     // Token column g: lanes with g >= T feed zeros (their columns are never stored).
     const bool live = g < T;
-    const uint4* xq = xf + ((u64)(live ? g : 0) * NG * 4 + tq) * 8;
+    const uint4* xq = xf + (u64)(live ? g : 0) * NG * 32 + tq;
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; m++)
@@ -147,7 +150,7 @@ __device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u
             if (G >= NG) break;
             uint4 px[8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) px[j] = live ? xq[G * 32 + j] : make_uint4(0u, 0u, 0u, 0u);
+            for (int j = 0; j < 8; j++) px[j] = live ? xq[G * 32 + j * 4] : make_uint4(0u, 0u, 0u, 0u);
             uint4 pa[MT], pb[MT];
             float qa[MT], qb[MT];
 #pragma unroll
@@ -225,18 +228,16 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4M
 // products; the group sum (hi + lo) is scaled by the group's scale: acc = fmaf(d, hi + lo, acc).
 // Per tile the members' sums are added in member order ((p0 + p1) + p2) + ... through a
 // double-buffered shared array and a team barrier (bar.sync 1 + team, 32·S threads).
-// `_xs`: the x fragments (T·K·4 bytes) are first staged in shared memory (dynamic, 16-aligned);
+// `_xs`: the x fragments (T·K·4 bytes + 16 per token) are first staged in shared memory (dynamic);
 // otherwise they are read from global memory (L1). Both read the same values, so every output
 // (t, n) is the same function of x and w for every T, grid and variant: row t of a T-row call
 // equals a 1-row call bit for bit (dead token columns read token 0's x and are never stored).
-
-#define QP_P 4
 
 __device__ __forceinline__ void qp_team_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <bool XS>
+template <bool XS, int QP_P>
 __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                             float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S) {
     extern __shared__ __align__(16) uint4 qp_xs[];
@@ -250,9 +251,12 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     const int member = warp % S, team = warp / S;
     const u32 teams = gridDim.x * (u32)tpb;
     const u32 team0 = blockIdx.x * (u32)tpb + (u32)team;
+    // Staged x: token t at uint4 offset t·(NG·32 + 1) (one pad entry per token spreads the token
+    // columns of a step over the banks).
+    const u32 tstride = XS ? NG * 32u + 1u : NG * 32u;
     if (XS) {
-        const u32 n = (u32)T * NG * 32u;
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[i] = xf[i];
+        const u32 per = NG * 32u, n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
         __syncthreads();
     }
     // This member's groups per tile (the launcher guarantees S <= NG, so gcount >= 1).
@@ -260,7 +264,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     const u32 mytiles = team0 < tiles ? (tiles - team0 + teams - 1) / teams : 0;
     const u32 total = mytiles * gcount;
     // x fragments of token column g (dead columns g >= T read token 0; never stored).
-    const uint4* xq = (XS ? (const uint4*)qp_xs : xf) + ((u64)(g < T ? g : 0) * NG * 4 + tq) * 8;
+    const uint4* xq = (XS ? (const uint4*)qp_xs : xf) + (u64)(g < T ? g : 0) * tstride + tq;
 
     // Load cursor: tile lt, group index lj; pointers of rows g and g + 8 at group member + lj·S.
     u32 lt = team0, lj = 0;
@@ -316,7 +320,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
 #pragma unroll
             for (int wd = 0; wd < 4; wd++) {
                 const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
-                const uint4 x0 = xg[2 * wd], x1 = xg[2 * wd + 1];
+                const uint4 x0 = xg[(2 * wd) * 4], x1 = xg[(2 * wd + 1) * 4];
                 u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
                 qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
                 qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
@@ -370,9 +374,17 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
 }
 
 #define Q4MMAP_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S
+// Two builds: 2 blocks per SM with a 4-stage ring (128 registers), 3 blocks per SM with a 3-stage
+// ring (<= 85 registers); the launcher sizes its grid and x staging for the one it runs.
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap(Q4MMAP_ARGS) {
-    q4mmap_body<false>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<false, 4>(xf, w, y, T, K, N, soff, S);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap_xs(Q4MMAP_ARGS) {
-    q4mmap_body<true>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<true, 4>(xf, w, y, T, K, N, soff, S);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3(Q4MMAP_ARGS) {
+    q4mmap_body<false, 2>(xf, w, y, T, K, N, soff, S);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true, 2>(xf, w, y, T, K, N, soff, S);
 }

@@ -13,11 +13,11 @@ use crate::launch::args;
 use crate::{CudaBackend, CudaTensor};
 use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
-/// Environment variable choosing the q4_g128 decode GEMV: `mma` takes the tensor-core kernel where
-/// the shape allows, `mmap` its persistent variant ([`super::q4mmap`]); `simt` (or unset) the SIMT
-/// kernels.
+/// Environment variable choosing the q4_g128 decode GEMV: `auto` (or unset) picks per weight shape
+/// ([`Q4Gemv::Auto`]); `mma` takes the tensor-core kernel where the shape allows, `mmap` its
+/// persistent variant ([`super::q4mmap`]); `simt` the SIMT kernels.
 pub const Q4_GEMV_ENV: &str = "KVSTREAM_Q4_GEMV";
 
 /// Warps per block (`QM_WARPS` in gemv_mma.cu).
@@ -37,28 +37,41 @@ pub enum Q4Gemv {
     MmaPersistent,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
+    /// Per weight shape (never per T, so rows of a verification call still equal single steps):
+    /// the persistent tensor-core kernel for weights of at least [`AUTO_MMAP_MIN_ROWS`] rows
+    /// (MLP gate/up, lm_head: on the H200 as fast as SIMT or faster at T = 1 and 2× faster at
+    /// T = 4), the SIMT kernels below (down projection and the narrower weights, where SIMT wins
+    /// at T = 1). The default.
+    Auto,
 }
 
 /// Path state of one backend (initialised from [`Q4_GEMV_ENV`]).
 #[derive(Debug)]
 pub(crate) struct Q4GemvState {
     path: AtomicU8,
+    /// Whether `gemv_q4mmap_xs` may already take its largest dynamic shared memory.
+    pub(crate) xs_reserved: AtomicBool,
 }
 
 impl Q4GemvState {
     pub(crate) fn from_env() -> Self {
         Self {
             path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
+            xs_reserved: AtomicBool::new(false),
         }
     }
 }
 
-/// The path an environment value selects (anything unknown: SIMT).
+/// Fewest output rows for which [`Q4Gemv::Auto`] takes the persistent tensor-core kernel.
+pub const AUTO_MMAP_MIN_ROWS: usize = 16_384;
+
+/// The path an environment value selects (unset or unknown: [`Q4Gemv::Auto`]).
 fn selects(v: Option<&str>) -> Q4Gemv {
     match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
         Some("mma") => Q4Gemv::Mma,
         Some("mmap") => Q4Gemv::MmaPersistent,
-        _ => Q4Gemv::Simt,
+        Some("simt") => Q4Gemv::Simt,
+        _ => Q4Gemv::Auto,
     }
 }
 
@@ -67,6 +80,27 @@ fn code(p: Q4Gemv) -> u8 {
         Q4Gemv::Simt => 0,
         Q4Gemv::Mma => 1,
         Q4Gemv::MmaPersistent => 2,
+        Q4Gemv::Auto => 3,
+    }
+}
+
+fn from_code(c: u8) -> Q4Gemv {
+    match c {
+        0 => Q4Gemv::Simt,
+        1 => Q4Gemv::Mma,
+        2 => Q4Gemv::MmaPersistent,
+        _ => Q4Gemv::Auto,
+    }
+}
+
+impl Q4Gemv {
+    /// The kernel family this path runs for a weight of `n` output rows (Auto resolved).
+    pub fn for_rows(self, n: usize) -> Q4Gemv {
+        match self {
+            Q4Gemv::Auto if n >= AUTO_MMAP_MIN_ROWS => Q4Gemv::MmaPersistent,
+            Q4Gemv::Auto => Q4Gemv::Simt,
+            p => p,
+        }
     }
 }
 
@@ -118,11 +152,7 @@ pub(crate) fn q4_mma_plan(
 impl CudaBackend {
     /// The q4_g128 decode GEMV path now.
     pub fn q4_gemv(&self) -> Q4Gemv {
-        match self.q4_gemv.path.load(Ordering::Relaxed) {
-            1 => Q4Gemv::Mma,
-            2 => Q4Gemv::MmaPersistent,
-            _ => Q4Gemv::Simt,
-        }
+        from_code(self.q4_gemv.path.load(Ordering::Relaxed))
     }
 
     /// Chooses the q4_g128 decode GEMV (overrides `KVSTREAM_Q4_GEMV`). Choose before decoding a
@@ -194,17 +224,31 @@ mod tests {
         assert_eq!(selects(Some(" MMA ")), Q4Gemv::Mma);
         assert_eq!(selects(Some("mmap")), Q4Gemv::MmaPersistent);
         assert_eq!(selects(Some("simt")), Q4Gemv::Simt);
-        assert_eq!(selects(Some("")), Q4Gemv::Simt);
-        assert_eq!(selects(Some("tensor")), Q4Gemv::Simt);
-        assert_eq!(selects(None), Q4Gemv::Simt);
+        assert_eq!(selects(Some("auto")), Q4Gemv::Auto);
+        assert_eq!(selects(Some("")), Q4Gemv::Auto);
+        assert_eq!(selects(Some("tensor")), Q4Gemv::Auto);
+        assert_eq!(selects(None), Q4Gemv::Auto);
+        for p in [
+            Q4Gemv::Simt,
+            Q4Gemv::Mma,
+            Q4Gemv::MmaPersistent,
+            Q4Gemv::Auto,
+        ] {
+            assert_eq!(from_code(code(p)), p);
+        }
+    }
+
+    #[test]
+    fn auto_depends_on_the_rows_only() {
+        // The 27B shapes: MLP gate/up (17,408 rows) and lm_head on tensor cores; down projection
+        // (5,120 rows) and 12,288-row weights on SIMT.
+        assert_eq!(Q4Gemv::Auto.for_rows(17_408), Q4Gemv::MmaPersistent);
+        assert_eq!(Q4Gemv::Auto.for_rows(248_320), Q4Gemv::MmaPersistent);
+        assert_eq!(Q4Gemv::Auto.for_rows(5_120), Q4Gemv::Simt);
+        assert_eq!(Q4Gemv::Auto.for_rows(12_288), Q4Gemv::Simt);
         for p in [Q4Gemv::Simt, Q4Gemv::Mma, Q4Gemv::MmaPersistent] {
-            let c = code(p);
-            let back = match c {
-                1 => Q4Gemv::Mma,
-                2 => Q4Gemv::MmaPersistent,
-                _ => Q4Gemv::Simt,
-            };
-            assert_eq!(back, p);
+            assert_eq!(p.for_rows(7), p);
+            assert_eq!(p.for_rows(1 << 20), p);
         }
     }
 
@@ -252,7 +296,7 @@ mod tests {
     /// slots. Every k of the group meets its own x exactly once.
     #[test]
     fn fragment_order_pairs_each_code_with_its_x_once() {
-        // xprep: unit i = 16·G + 4·tq + w → uint4 2i + h = {hi(a, b), hi(c, d), lo.., lo..}, with
+        // xprep: unit i = 16·G + 4·tq + w → uint4 (G, j = 2w + h, tq) = {hi(a, b), hi(c, d), lo.., lo..}, with
         // (a, b, c, d) = (2h, 2h + 4, 2h + 1, 2h + 5) + 8w + 32tq (the e-indices of the kernel).
         let xprep_k = |tq: usize, w: usize, h: usize, reg: usize, half: usize| {
             let e = match (reg, half) {
