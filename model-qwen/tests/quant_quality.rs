@@ -92,8 +92,8 @@ fn demo_tiny_quantized_quality() {
 #[test]
 fn tiny_gqa_f32_quantized_quality() {
     // Random N(0, 0.05) weights make this fixture very sensitive. Its q4_g128 mean KL is 0.055
-    // (2.5e-4 on the trained demo model) although the squared error of its q4 groups is within
-    // 0.2 % of the exact optimum of the format (finer or exact scale searches move the KL by
+    // (2.5e-4 on the trained demo model) although the total squared error of its q4 groups is
+    // within 0.2 % of the exact optimum of the format (finer or exact scale searches move the KL by
     // ±2 % only); 43 % of it comes from layer 0's GDN in_proj_qkv alone. So q4_g128 gets 1.2×
     // the general bound here; the 8-bit formats meet the general one (docs/weights.md).
     quality(
