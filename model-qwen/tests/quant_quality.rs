@@ -17,8 +17,8 @@ const KL_4BIT: f64 = 0.05;
 const GREEDY: usize = 32;
 
 /// `kl_8bit` / `kl_4bit`: the mean-KL bounds (KL_8BIT / KL_4BIT except where a random-weight
-/// fixture is documented to exceed them); `min_agree_*`: teacher-forced greedy agreement floors
-/// (out of 32), set below the measured values of docs/weights.md.
+/// fixture is documented to exceed them: tiny-gqa-f32's q4_g128); `min_agree_*`: teacher-forced
+/// greedy agreement floors (out of 32), set below the measured values of docs/weights.md.
 fn quality(
     name: &str,
     prompt_key: &str,
@@ -91,14 +91,16 @@ fn demo_tiny_quantized_quality() {
 
 #[test]
 fn tiny_gqa_f32_quantized_quality() {
-    // Random N(0, 0.05) weights make this fixture very sensitive: q4_g128 measures mean KL
-    // 0.053 and fp8_e4m3 (3 mantissa bits) 0.0053 here, against 3e-4 and 8e-6 on the trained
-    // demo model, so it gets bounds twice the general ones.
+    // Random N(0, 0.05) weights make this fixture very sensitive. Its q4_g128 mean KL is 0.055
+    // (2.5e-4 on the trained demo model) although the total squared error of its q4 groups is
+    // within 0.2 % of the exact optimum of the format (finer or exact scale searches move the KL by
+    // ±2 % only); 43 % of it comes from layer 0's GDN in_proj_qkv alone. So q4_g128 gets 1.2×
+    // the general bound here; the 8-bit formats meet the general one (docs/weights.md).
     quality(
         "tiny-gqa-f32",
         "gen_prompt",
-        (2.0 * KL_8BIT, 2.0 * KL_4BIT),
-        16,
+        (KL_8BIT, 1.2 * KL_4BIT),
+        22,
         8,
     );
 }
@@ -116,5 +118,5 @@ fn tiny_mha_tied_bf16_quantized_quality() {
 
 #[test]
 fn tiny_bare_text_quantized_quality() {
-    quality("tiny-bare-text", "gen_prompt", (KL_8BIT, KL_4BIT), 22, 14);
+    quality("tiny-bare-text", "gen_prompt", (KL_8BIT, KL_4BIT), 20, 14);
 }

@@ -62,6 +62,24 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code.min(0x7E) as u8
 }
 
+/// `E4M3_TABLE[f32_to_e4m3(x)]` for finite `x` (the nearest E4M3 value, ties to even,
+/// saturating at ±448; a zero may come back with the other sign), computed without branches so
+/// the quantizer's error loops vectorize.
+#[inline(always)]
+pub(crate) fn e4m3_round(x: f32) -> f32 {
+    // Subnormal range (|x| < 2^-6): the nearest multiple of 2^-9, ties to even: adding and
+    // subtracting 1.5·2^23 rounds x·512 (|x·512| < 2^22 here) to an integer in the FPU's
+    // round-to-nearest-even mode; the scalings by powers of two are exact.
+    const MAGIC: f32 = 12_582_912.0;
+    let sub = ((x * 512.0 + MAGIC) - MAGIC) * (1.0 / 512.0);
+    // Normal range: round the 23-bit mantissa to 3 bits, ties to even, carrying into the
+    // exponent (the sign bit is never reached for |x| < 2^127).
+    let b = x.to_bits();
+    let normal = f32::from_bits((b + 0x7_FFFF + ((b >> 20) & 1)) & 0xFFF0_0000);
+    let r = if x.abs() < 1.0 / 64.0 { sub } else { normal };
+    r.clamp(-E4M3_MAX, E4M3_MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +169,45 @@ mod tests {
         fn f32_to_e4m3_is_the_nearest_code(x in -500f32..500f32, tiny in -0.02f32..0.02f32) {
             prop_assert_eq!(f32_to_e4m3(x), nearest(x));
             prop_assert_eq!(f32_to_e4m3(tiny), nearest(tiny));
+        }
+    }
+
+    #[test]
+    fn e4m3_round_is_the_decoded_nearest_code() {
+        let check = |x: f32| {
+            let want = E4M3_TABLE[f32_to_e4m3(x) as usize];
+            let got = e4m3_round(x);
+            assert!(
+                got == want,
+                "{x:e} ({:#x}): {got:e} vs {want:e}",
+                x.to_bits()
+            );
+        };
+        // Every code, every midpoint between neighbouring codes (ties) and its two f32
+        // neighbours, both signs, and values past the saturation point.
+        let mut pos: Vec<f32> = E4M3_TABLE[..0x7F].to_vec();
+        pos.push(480.0);
+        for w in pos.windows(2) {
+            let mid = (w[0] + w[1]) / 2.0;
+            for v in [
+                w[0],
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
+                check(v);
+                check(-v);
+            }
+        }
+        for v in [448.0f32, 460.0, 464.0, 470.0, 500.0, 1e6, 1e30] {
+            check(v);
+            check(-v);
+        }
+        // A dense sweep of bit patterns from 2^-12 to 512.
+        let (lo, hi) = (2f32.powi(-12).to_bits(), 512f32.to_bits());
+        for bits in (lo..hi).step_by(331) {
+            check(f32::from_bits(bits));
+            check(-f32::from_bits(bits));
         }
     }
 }
