@@ -55,10 +55,10 @@ if [ "$STAGE" = 1 ]; then
     --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats -c 1"
   mkdir -p "$OUT/ncu-a" "$OUT/ncu-q"
   step ncu-attn 60 env KVSTREAM_BENCH_SKIP_GEMV=1 KVSTREAM_BENCH_SKIP_GEMM=1 \
-    $NCU -k regex:attn_accumulate_q8q4 "$D/cuda_bench" "$OUT/ncu-a"
+    $NCU -k regex:attn_q8q4_n1 "$D/cuda_bench" "$OUT/ncu-a"
   grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-attn.log" | head -30
   step ncu-q4 60 env KVSTREAM_BENCH_SKIP_GEMM=1 \
-    $NCU -k regex:gemv_q4mma_m "$D/cuda_bench" "$OUT/ncu-q"
+    $NCU -k regex:gemv_q4mmap "$D/cuda_bench" "$OUT/ncu-q"
   grep -hE "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|No Eligible|Issued Warp|Compute \(SM\)|L1/TEX Hit|Warp Cycles Per Issued" "$OUT/ncu-q4.log" | head -20
   step engine-check "${T_ENGINE:-150}" env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
   grep -hE "^(ok|FAIL)|passed|failed" "$OUT/engine-check.log" | tail -60

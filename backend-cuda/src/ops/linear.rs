@@ -9,7 +9,7 @@
 mod gemm;
 mod plan;
 pub(crate) mod q4mma;
-mod q4mmap;
+pub(crate) mod q4mmap;
 
 use crate::launch::args;
 use crate::types::dtype_code;

@@ -216,90 +216,94 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m2(Q4M
 extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4, 2>(xf, w, y, T, K, N, soff); }
 
 // ------------------------------------------------------------------------------------------------
-// Persistent variant (`gemv_q4mmap`, `gemv_q4mmap_xs`): the same fragments, K permutation and
-// precision as above, arranged so that every warp streams without pause.
+// Persistent stream-K variant (`gemv_q4mmap`, `gemv_q4mmap_xs`, and the 3-blocks-per-SM builds
+// `gemv_q4mmap3*`): the same fragments, K permutation and precision as above, arranged so every
+// warp streams an equal share of the work without pause.
 //
-// Grid: any number of blocks of QM_WARPS warps (the launcher: SMs × resident blocks). The warps
-// form teams of S (1, 2, 4 or 8; the launcher picks S from N, K and the SM count only, never from
-// T or the grid). Team j of the grid takes the 16-row m-tiles j, j + teams, ...; member m of a team
-// the 128-groups G ≡ m (mod S) of each of its tiles. A warp's (tile, group) items flow through a
-// QP_P-stage register ring (codes and scales of QP_P items in flight), across tile boundaries.
-// Per item two independent MMA chains (the hi and the lo halves of x) accumulate the group's
-// products; the group sum (hi + lo) is scaled by the group's scale: acc = fmaf(d, hi + lo, acc).
-// Per tile the members' sums are added in member order ((p0 + p1) + p2) + ... through a
-// double-buffered shared array and a team barrier (bar.sync 1 + team, 32·S threads).
-// `_xs`: the x fragments (T·K·4 bytes + 16 per token) are first staged in shared memory (dynamic);
-// otherwise they are read from global memory (L1). Both read the same values, so every output
-// (t, n) is the same function of x and w for every T, grid and variant: row t of a T-row call
-// equals a 1-row call bit for bit (dead token columns read token 0's x and are never stored).
+// Work: the items (16-row m-tile, 128-group), tile-major (item i = tile i / NG, group i % NG). The
+// W = gridDim.x · QM_WARPS warps of the grid (the launcher: SMs × resident blocks, never a function
+// of T) take equal contiguous ranges: warp w the items [w·Work/W, (w+1)·Work/W). A warp's items
+// flow through a QP_P-stage register ring (codes and scales of QP_P items in flight) across tile
+// boundaries. Per item two independent MMA chains (the hi and the lo halves of x) accumulate the
+// group's products; the group sum (hi + lo) is scaled by the group's scale:
+// acc = fmaf(d, hi + lo, acc), groups ascending. A tile wholly inside one warp's range is stored
+// directly. A tile shared by warps w0 < w1 < ... (consecutive) is finished by the last of them to
+// arrive: each writes its partial sums to its scratch slot (slot 0 for the first tile of its
+// range, 1 for the last), fences, and counts itself in the tile's counter; the warp that completes
+// the count adds the partials in warp order ((p_w0 + p_w0+1) + ...), stores the tile and resets the
+// counter to 0 (the launcher zeroes the counters once; every launch leaves them zero). The sums
+// are therefore a function of N, K and W only: row t of a T-row call equals a 1-row call bit for
+// bit (dead token columns read token 0's x and are never stored), whichever warp finishes.
+// `_xs`: the x fragments are first staged in shared memory, token t at uint4 offset t·(NG·32 + 1);
+// otherwise they are read from global memory (L1). Both read the same values.
 
-__device__ __forceinline__ void qp_team_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+// The warp whose range holds item `item`: the largest w with w·work/W <= item.
+__device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
+    return (u32)((((u64)item + 1) * W - 1) / work);
 }
+
+// First item of warp w.
+__device__ __forceinline__ u32 qp_start(u32 w, u32 W, u32 work) { return (u32)((u64)w * work / W); }
 
 template <bool XS, int QP_P>
 __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
-                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S) {
+                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
+                                            float* __restrict__ scratch, u32* __restrict__ counters) {
     extern __shared__ __align__(16) uint4 qp_xs[];
-    __shared__ float red[2][QM_WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const u32 NG = (u32)(K / 128);
     const u64 rb = K / 2;
     const u32 tiles = (u32)((N + 15) / 16);
-    const int tpb = QM_WARPS / S;
-    const int member = warp % S, team = warp / S;
-    const u32 teams = gridDim.x * (u32)tpb;
-    const u32 team0 = blockIdx.x * (u32)tpb + (u32)team;
-    // Staged x: token t at uint4 offset t·(NG·32 + 1) (one pad entry per token spreads the token
-    // columns of a step over the banks).
+    const u32 W = gridDim.x * QM_WARPS;
+    const u32 gw = blockIdx.x * QM_WARPS + warp;
+    const u32 work = tiles * NG;  // the launcher keeps it below 2^31
     const u32 tstride = XS ? NG * 32u + 1u : NG * 32u;
     if (XS) {
         const u32 per = NG * 32u, n = (u32)T * per;
         for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
         __syncthreads();
     }
-    // This member's groups per tile (the launcher guarantees S <= NG, so gcount >= 1).
-    const u32 gcount = (NG - (u32)member + (u32)S - 1) / (u32)S;
-    const u32 mytiles = team0 < tiles ? (tiles - team0 + teams - 1) / teams : 0;
-    const u32 total = mytiles * gcount;
+    const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
+    if (i0 >= i1) return;
+    const u32 first_tile = i0 / NG;
     // x fragments of token column g (dead columns g >= T read token 0; never stored).
     const uint4* xq = (XS ? (const uint4*)qp_xs : xf) + (u64)(g < T ? g : 0) * tstride + tq;
 
-    // Load cursor: tile lt, group index lj; pointers of rows g and g + 8 at group member + lj·S.
-    u32 lt = team0, lj = 0;
+    // Load cursor: tile lt, group lg; pointers of rows g and g + 8 at group lg.
+    u32 lt = first_tile, lg = i0 % NG;
     const u8* pa = w;
     const u8* pb = w;
     const u16* sa = (const u16*)(w + soff);
     const u16* sb = sa;
-    auto bases = [&](u32 tile) {
-        const u64 na = (u64)tile * 16 + g, nb = na + 8;
+    auto bases = [&]() {
+        const u64 na = (u64)lt * 16 + g, nb = na + 8;
         const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;  // past N: re-read row N - 1
-        pa = w + ra * rb + (u64)member * 64 + tq * 16;
-        pb = w + rr * rb + (u64)member * 64 + tq * 16;
-        sa = (const u16*)(w + soff) + ra * NG + member;
-        sb = (const u16*)(w + soff) + rr * NG + member;
+        pa = w + ra * rb + (u64)lg * 64 + tq * 16;
+        pb = w + rr * rb + (u64)lg * 64 + tq * 16;
+        sa = (const u16*)(w + soff) + ra * NG + lg;
+        sb = (const u16*)(w + soff) + rr * NG + lg;
     };
-    if (total > 0) bases(lt);
+    bases();
     uint4 ca[QP_P], cb[QP_P];
     u32 da[QP_P], db[QP_P];
-    u32 issued = 0;
+    u32 issued = i0;
     auto load = [&](int s) {
-        if (issued < total) {
+        if (issued < i1) {
             ca[s] = qm_ld_stream(pa);
             cb[s] = qm_ld_stream(pb);
             da[s] = *sa;
             db[s] = *sb;
             issued++;
-            if (++lj == gcount) {
-                lj = 0;
-                lt += teams;
-                if (issued < total) bases(lt);
+            if (++lg == NG) {
+                lg = 0;
+                lt++;
+                if (issued < i1) bases();
             } else {
-                pa += (u64)S * 64;
-                pb += (u64)S * 64;
-                sa += S;
-                sb += S;
+                pa += 64;
+                pb += 64;
+                sa += 1;
+                sb += 1;
             }
         }
     };
@@ -307,15 +311,16 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     for (int s = 0; s < QP_P; s++) load(s);
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    u32 ct = team0, cj = 0, ord = 0;
-    for (u32 i0 = 0; i0 < total; i0 += QP_P) {
+    u32 ct = first_tile, cg = i0 % NG;
+    const u32 total = i1 - i0;
+    for (u32 j0 = 0; j0 < total; j0 += QP_P) {
 #pragma unroll
         for (int s = 0; s < QP_P; s++) {
-            if (i0 + s >= total) break;
+            if (j0 + s >= total) break;
             const uint4 va4 = ca[s], vb4 = cb[s];
             const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
-            load(s);  // refill this stage with item i0 + s + QP_P
-            const uint4* xg = xq + (u64)(member + cj * S) * 32;
+            load(s);  // refill this stage with the item QP_P further on
+            const uint4* xg = xq + (u64)cg * 32;
             float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int wd = 0; wd < 4; wd++) {
@@ -335,12 +340,14 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             acc[1] = fmaf(qa, ch[1] + cl[1], acc[1]);
             acc[2] = fmaf(qb, ch[2] + cl[2], acc[2]);
             acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
-            if (++cj == gcount) {
-                // Tile ct done: C layout acc[0], acc[1] = (row g, tokens 2tq, 2tq + 1);
-                // acc[2], acc[3] = (row g + 8, same tokens).
+            const bool range_end = j0 + s + 1 == total;
+            if (++cg == NG || range_end) {
+                // This warp's part of tile ct is done. C layout: acc[0], acc[1] = (row g, tokens
+                // 2tq, 2tq + 1); acc[2], acc[3] = (row g + 8, same tokens).
                 const u64 r0 = (u64)ct * 16 + g;
                 const int t0 = 2 * tq;
-                if (S == 1) {
+                const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
+                if (tfirst >= i0 && tlast < i1) {
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const u64 row = r0 + (i >= 2 ? 8 : 0);
@@ -348,43 +355,58 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
                         if (t < T && row < N) y[(u64)t * N + row] = acc[i];
                     }
                 } else {
-                    const int par = ord & 1;
+                    const u32 slot = ct == first_tile ? 0 : 1;
+                    float* mine = scratch + ((u64)gw * 2 + slot) * 128;
 #pragma unroll
-                    for (int i = 0; i < 4; i++) red[par][warp][i][lane] = acc[i];
-                    qp_team_sync(1 + team, 32 * S);
-                    if (member == 0) {
+                    for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
+                    __threadfence();
+                    __syncwarp();
+                    const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
+                    u32 prev = 0;
+                    if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
+                    prev = __shfl_sync(0xffffffffu, prev, 0);
+                    if (prev == w1 - w0) {
+                        // Last to arrive: add the partials in warp order.
+                        __threadfence();
+                        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        for (u32 ow = w0; ow <= w1; ow++) {
+                            const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
+                            const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
+#pragma unroll
+                            for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
+                        }
 #pragma unroll
                         for (int i = 0; i < 4; i++) {
-                            float v = acc[i];
-                            for (int m = 1; m < S; m++) v += red[par][warp + m][i][lane];
                             const u64 row = r0 + (i >= 2 ? 8 : 0);
                             const int t = t0 + (i & 1);
-                            if (t < T && row < N) y[(u64)t * N + row] = v;
+                            if (t < T && row < N) y[(u64)t * N + row] = v[i];
                         }
+                        if (lane == 0) counters[ct] = 0u;
                     }
                 }
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[i] = 0.0f;
-                cj = 0;
-                ct += teams;
-                ord++;
+                cg = 0;
+                ct++;
             }
         }
     }
 }
 
-#define Q4MMAP_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S
-// Two builds: 2 blocks per SM with a 4-stage ring (128 registers), 3 blocks per SM with a 3-stage
-// ring (<= 85 registers); the launcher sizes its grid and x staging for the one it runs.
+#define Q4MMAP_ARGS                                                                                   \
+    const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, float *scratch, u32 *counters
+#define Q4MMAP_PASS xf, w, y, T, K, N, soff, scratch, counters
+// Two builds: 2 blocks per SM with a 4-stage ring (128 registers), 3 blocks per SM with a 2-stage
+// ring (80 registers); the launcher sizes its grid and x staging for the one it runs.
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap(Q4MMAP_ARGS) {
-    q4mmap_body<false, 4>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<false, 4>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mmap_xs(Q4MMAP_ARGS) {
-    q4mmap_body<true, 4>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<true, 4>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3(Q4MMAP_ARGS) {
-    q4mmap_body<false, 2>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<false, 2>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q4MMAP_ARGS) {
-    q4mmap_body<true, 2>(xf, w, y, T, K, N, soff, S);
+    q4mmap_body<true, 2>(Q4MMAP_PASS);
 }

@@ -1,19 +1,21 @@
-//! The persistent tensor-core q4_g128 decode GEMV (`gemv_q4mmap*` in `kernels/src/cu/gemv_mma.cu`):
-//! the fragments and precision of [`super::q4mma`], arranged so every warp streams its (m-tile,
-//! 128-group) items through a register ring without pause. A grid of `SMs × blocks per SM` blocks
-//! of 8 warps; the warps form teams of `S` (1, 2, 4 or 8) that take every `teams`-th 16-row tile,
-//! member `m` the groups `G ≡ m (mod S)` of each; the members' sums are added in member order.
+//! The persistent stream-K tensor-core q4_g128 decode GEMV (`gemv_q4mmap*` in
+//! `kernels/src/cu/gemv_mma.cu`): the fragments and precision of [`super::q4mma`], arranged so
+//! every warp streams an equal share of the (16-row tile, 128-group) items through a register ring
+//! without pause. A grid of `SMs × blocks per SM` blocks of 8 warps; warp `w` of the `W` takes the
+//! items `[w·work/W, (w+1)·work/W)`; a tile shared by several warps is finished by the last to
+//! arrive, which adds the partial sums in warp order (scratch slots and per-tile counters kept
+//! here, counters zero between launches).
 //!
-//! Bit-identity across T (MTP verification rows must equal single steps): the team size is a
-//! function of N, K and the SM count only; the grid, the x staging (`_xs`: x fragments in shared
-//! memory when they fit) and T only decide who computes a tile and where x is read from, never
-//! the arithmetic of an output.
+//! Bit-identity across T (MTP verification rows must equal single steps): the grid is a function
+//! of the SM count and the build only; T and the x staging (`_xs`: x fragments in shared memory
+//! when they fit) only decide where x is read from, never the arithmetic of an output.
 
-use crate::launch::args;
-use crate::{CudaBackend, CudaTensor};
-use cudarc::driver::{sys, CudaFunction, LaunchConfig};
+use crate::launch::{args, dev};
+use crate::{CudaBackend, CudaTensor, DeviceAlloc};
+use cudarc::driver::{result, sys, CudaFunction, LaunchConfig};
 use kvstream_memory_contracts::error::OpError;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Warps per block (`QM_WARPS` in gemv_mma.cu).
 const WARPS: usize = 8;
@@ -34,27 +36,28 @@ fn blocks_per_sm() -> usize {
         }
     })
 }
-/// Shared memory of one SM on Hopper (the x staging is sized so two blocks fit).
+/// Shared memory of one SM on Hopper (the x staging is sized so the build's blocks fit).
 const SM_SHARED_BYTES: usize = 228 * 1024;
-/// Static shared memory of the kernels (the double-buffered team sums) plus the driver's
-/// per-block reservation.
-const STATIC_SHARED_BYTES: usize = 8 * 1024 + 1024;
+/// Static shared memory of the kernels (none) plus the driver's per-block reservation.
+const STATIC_SHARED_BYTES: usize = 1024;
+/// Floats of one scratch slot: a 16-row tile's partial sums for up to 8 tokens (4 per lane).
+const SLOT_FLOATS: usize = 128;
 
 /// One launch of the persistent kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Q4MmapPlan {
-    /// Warps per team (splitting each tile's groups).
-    pub(crate) team: usize,
-    /// Blocks of the grid.
+    /// Blocks of the grid (8 warps each).
     pub(crate) blocks: u32,
+    /// 16-row tiles of the weight.
+    pub(crate) tiles: usize,
 }
 
 /// The plan for `[n, k]` q4_g128 codes at `w_ptr` (scales at byte `soff`) on `sms`
-/// multiprocessors, or `None` when the shape does not suit the kernel (K not a multiple of 128,
-/// unaligned codes or scales, too many rows). The team size minimises the items of the busiest
-/// warp, `ceil(tiles / teams) · (ceil(groups / S) + 1)` (the `+ 1` charges a tile's reduction),
-/// over a grid of `sms · per_sm` blocks (fewer when the tiles need fewer); ties take the smaller
-/// team.
+/// multiprocessors with `per_sm` resident blocks each, or `None` when the shape does not suit the
+/// kernel (K not a multiple of 128, unaligned codes or scales, more than 2^31 work items, fewer
+/// items than the 8 warps of one block). The grid is one full wave, `sms · per_sm` blocks, fewer
+/// when the items are fewer than the warps: every warp holds at least one item (the fix-up counts
+/// the warps between a tile's first and last owner).
 pub(crate) fn q4_mmap_plan(
     n: usize,
     k: usize,
@@ -66,27 +69,38 @@ pub(crate) fn q4_mmap_plan(
     if n == 0 || k == 0 || k % GROUP != 0 || w_ptr % 16 != 0 || soff % 2 != 0 {
         return None;
     }
-    if n > u32::MAX as usize / 2 {
+    let tiles = n.div_ceil(16);
+    let work = tiles.checked_mul(k / GROUP)?;
+    if work >= 1 << 31 {
         return None;
     }
-    let groups = k / GROUP;
-    let tiles = n.div_ceil(16);
-    let capacity = sms.max(1) * per_sm.max(1);
-    let mut best: Option<(usize, Q4MmapPlan)> = None;
-    for team in [1usize, 2, 4, 8] {
-        if team > groups {
-            break;
-        }
-        let per_block = WARPS / team;
-        let blocks = tiles.div_ceil(per_block).min(capacity);
-        let teams = blocks * per_block;
-        let cost = tiles.div_ceil(teams) * (groups.div_ceil(team) + 1);
-        if best.is_none_or(|(c, _)| cost < c) {
-            let blocks = u32::try_from(blocks).ok()?;
-            best = Some((cost, Q4MmapPlan { team, blocks }));
-        }
+    let blocks = (sms.max(1) * per_sm.max(1)).min(work / WARPS);
+    if blocks == 0 {
+        return None;
     }
-    best.map(|(_, p)| p)
+    Some(Q4MmapPlan {
+        blocks: u32::try_from(blocks).ok()?,
+        tiles,
+    })
+}
+
+/// Host mirror of the kernel's work split: the first item of warp `w` of `warps`.
+#[cfg(test)]
+fn start(w: usize, warps: usize, work: usize) -> usize {
+    w * work / warps
+}
+
+/// Host mirror of `qp_owner`: the warp whose range holds `item`.
+#[cfg(test)]
+fn owner(item: usize, warps: usize, work: usize) -> usize {
+    ((item + 1) * warps - 1) / work
+}
+
+/// Scratch slots (two per warp) and per-tile counters of the stream-K fix-up, grown on demand.
+#[derive(Debug, Default)]
+pub(crate) struct MmapBuffers {
+    scratch: Option<Arc<DeviceAlloc>>,
+    counters: Option<Arc<DeviceAlloc>>,
 }
 
 /// Most dynamic shared memory `_xs` takes: `per_sm` blocks per SM still fit.
@@ -129,6 +143,40 @@ fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<(), OpError> {
 impl CudaBackend {
     /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores, persistent kernel (`t` ≤ 8).
     #[allow(clippy::too_many_arguments)]
+    /// The fix-up buffers for `plan`: two scratch slots per warp of the grid and a zeroed counter
+    /// per tile (kept, and only grown, across calls; every launch leaves the counters zero).
+    fn mmap_buffers(
+        &self,
+        plan: Q4MmapPlan,
+    ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
+        let mut b = self
+            .q4_gemv
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let scratch_bytes = plan.blocks as usize * WARPS * 2 * SLOT_FLOATS * 4;
+        if b.scratch.as_ref().is_none_or(|s| s.len() < scratch_bytes) {
+            b.scratch = Some(self.alloc_owned(scratch_bytes, "q4 GEMV scratch")?);
+        }
+        let counter_bytes = plan.tiles * 4;
+        if b.counters.as_ref().is_none_or(|c| c.len() < counter_bytes) {
+            let c = self.alloc_owned(counter_bytes, "q4 GEMV tile counters")?;
+            self.ctx.bind_to_thread().map_err(dev("zeros"))?;
+            // SAFETY: the allocation holds `counter_bytes` bytes; ordered on the compute stream
+            // before any kernel that reads them.
+            unsafe { result::memset_d8_async(c.ptr(), 0, counter_bytes, self.compute.cu_stream()) }
+                .map_err(dev("zeros"))?;
+            b.counters = Some(c);
+        }
+        match (&b.scratch, &b.counters) {
+            (Some(s), Some(c)) => Ok((s.clone(), c.clone())),
+            _ => Err(OpError::shape(
+                "matmul",
+                "q4 GEMV buffers missing".to_string(),
+            )),
+        }
+    }
+
     /// The plan for a q4_g128 weight on this device (the build in use decides the grid).
     pub(crate) fn q4_mmap_plan(
         &self,
@@ -151,7 +199,8 @@ impl CudaBackend {
         n: usize,
         k: usize,
     ) -> Result<(), OpError> {
-        let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, team = plan.team).entered();
+        let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
+        let (scratch, counters) = self.mmap_buffers(plan)?;
         let xf = self.q4_mma_xprep(x, t, k)?;
         let per_sm = blocks_per_sm();
         let staged = staged_x_bytes(t, k, self.max_smem_optin, per_sm);
@@ -173,8 +222,9 @@ impl CudaBackend {
             shared_mem_bytes: smem as u32,
         };
         let (xfp, yp) = (xf.ptr(), y.ptr());
-        let (t32, k64, n64, s32) = (t as i32, k as u64, n as u64, plan.team as i32);
-        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &s32];
+        let (t32, k64, n64) = (t as i32, k as u64, n as u64);
+        let (sp, cp) = (scratch.ptr(), counters.ptr());
+        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
         self.launch("gemv", f, cfg, &mut a)
     }
 }
@@ -190,45 +240,76 @@ mod tests {
         assert!(q4_mmap_plan(64, 1024, 8, 0, 132, 2).is_none());
         assert!(q4_mmap_plan(64, 1024, 0, 3, 132, 2).is_none());
         assert!(q4_mmap_plan(0, 1024, 0, 0, 132, 2).is_none());
+        // One full wave, or fewer blocks when the items are fewer than the warps.
+        assert_eq!(
+            q4_mmap_plan(17408, 5120, 0, 0, 132, 2).map(|p| p.blocks),
+            Some(264)
+        );
+        assert_eq!(
+            q4_mmap_plan(16, 1024, 0, 0, 132, 2).map(|p| p.blocks),
+            Some(1)
+        );
+        // Fewer items than one block's warps: no plan (the SIMT kernels take it).
+        assert_eq!(q4_mmap_plan(16, 256, 0, 0, 132, 2), None);
     }
 
+    /// Mirrors the kernel's split: every item has exactly one owner, ranges are contiguous and
+    /// equal within one item, a tile's contributors are consecutive warps, and a warp shares at
+    /// most its first and its last tile (its two scratch slots).
     #[test]
-    fn teams_never_outnumber_the_groups_and_the_grid_fits_one_wave() {
+    fn stream_k_split_covers_every_item_once() {
         for &(n, k, sms) in &[
             (17408, 5120, 132),
             (5120, 17408, 132),
             (12288, 5120, 132),
-            (248_320, 5120, 132),
-            (7, 128, 132),
-            (70, 256, 0),
-            (4096, 384, 1),
+            (7, 1024, 132),
+            (70, 256, 1),
+            (4133, 256, 3),
         ] {
             for per_sm in [2, 3] {
                 let p = q4_mmap_plan(n, k, 0, 0, sms, per_sm).expect("plan");
-                assert!(p.team <= k / GROUP, "{n}x{k}: {p:?}");
-                assert!(WARPS % p.team == 0);
-                let cap = sms.max(1) * per_sm;
-                assert!(p.blocks as usize <= cap, "{p:?}");
-                // Every tile has a team: blocks · teams per block ≥ tiles, or the grid is full.
-                let teams = p.blocks as usize * (WARPS / p.team);
-                assert!(teams >= n.div_ceil(16) || p.blocks as usize == cap, "{p:?}");
+                let warps = p.blocks as usize * WARPS;
+                let ng = k / GROUP;
+                let work = p.tiles * ng;
+                assert!(p.blocks as usize <= sms * per_sm);
+                let mut covered = 0;
+                for w in 0..warps {
+                    let (i0, i1) = (start(w, warps, work), start(w + 1, warps, work));
+                    assert!(i1 > i0, "{n}x{k}: warp {w} empty");
+                    assert!(i1 - i0 <= work.div_ceil(warps) && i1 - i0 + 1 >= work / warps);
+                    for i in i0..i1 {
+                        assert_eq!(owner(i, warps, work), w, "{n}x{k} item {i}");
+                    }
+                    covered += i1 - i0;
+                    if i1 > i0 {
+                        let (first, last) = (i0 / ng, (i1 - 1) / ng);
+                        for t in first..=last {
+                            let whole = t * ng >= i0 && t * ng + ng <= i1;
+                            assert!(whole || t == first || t == last, "{n}x{k}: tile {t}");
+                        }
+                    }
+                }
+                assert_eq!(covered, work);
+                for t in 0..p.tiles {
+                    let (w0, w1) = (
+                        owner(t * ng, warps, work),
+                        owner(t * ng + ng - 1, warps, work),
+                    );
+                    assert!(w0 <= w1);
+                    for w in w0..=w1 {
+                        let (i0, i1) = (start(w, warps, work), start(w + 1, warps, work));
+                        assert!(
+                            i0 < i1 && i0 < t * ng + ng && i1 > t * ng,
+                            "tile {t} warp {w}"
+                        );
+                    }
+                }
             }
         }
-        // The 27B MLP up/gate: 1,088 tiles of 40 groups on 264 blocks → teams of 8
-        // (5 tiles × 6 items) beat teams of 4 (3 × 11) and smaller.
-        assert_eq!(
-            q4_mmap_plan(17408, 5120, 0, 0, 132, 2).map(|p| p.team),
-            Some(8)
-        );
-        // A single group: no split.
-        assert_eq!(
-            q4_mmap_plan(4096, 128, 0, 0, 132, 2).map(|p| p.team),
-            Some(1)
-        );
     }
 
     #[test]
-    fn x_is_staged_only_when_two_blocks_still_fit() {
+    fn x_is_staged_only_when_the_blocks_still_fit() {
         let optin = 227 * 1024;
         assert_eq!(staged_x_bytes(1, 5120, optin, 2), Some(20_496));
         assert_eq!(staged_x_bytes(1, 17408, optin, 2), Some(69_648));
@@ -236,9 +317,10 @@ mod tests {
         assert_eq!(staged_x_bytes(8, 5120, optin, 2), None);
         assert_eq!(staged_x_bytes(4, 17408, optin, 2), None);
         assert_eq!(staged_x_bytes(1, 17408, 48 * 1024, 2), None);
-        // Three blocks per SM: 66 KiB at most.
+        // Three blocks per SM: 75 KiB at most.
         assert_eq!(staged_x_bytes(1, 5120, optin, 3), Some(20_496));
-        assert_eq!(staged_x_bytes(1, 17408, optin, 3), None);
+        assert_eq!(staged_x_bytes(1, 17408, optin, 3), Some(69_648));
+        assert_eq!(staged_x_bytes(2, 17408, optin, 3), None);
         for per_sm in [2, 3] {
             assert!(staged_limit(optin, per_sm) + STATIC_SHARED_BYTES <= SM_SHARED_BYTES / per_sm);
         }
