@@ -54,6 +54,32 @@ impl CudaBackend {
         bytes: usize,
         what: &str,
     ) -> Result<Arc<DeviceAlloc>, OpError> {
+        if let Some(cache) = &self.alloc_cache {
+            if let Some(class) = crate::alloc_cache::size_class(bytes) {
+                if let Some(s) = cache.take(class) {
+                    return Ok(Arc::new(DeviceAlloc::cached(
+                        s,
+                        &self.compute,
+                        bytes,
+                        cache.clone(),
+                    )));
+                }
+                self.ctx.bind_to_thread().map_err(dev("alloc"))?;
+                // SAFETY: uninitialised; every caller writes it before reading it.
+                let s = unsafe { self.compute.alloc::<u8>(class) }.map_err(|_| {
+                    OpError::OutOfMemory {
+                        what: what.to_string(),
+                        bytes,
+                    }
+                })?;
+                return Ok(Arc::new(DeviceAlloc::cached(
+                    s,
+                    &self.compute,
+                    bytes,
+                    cache.clone(),
+                )));
+            }
+        }
         self.ctx.bind_to_thread().map_err(dev("alloc"))?;
         // Round up to 16 bytes so empty tensors have an address and vector loads stay in bounds.
         let n = bytes.max(16).next_multiple_of(16);

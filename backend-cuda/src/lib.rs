@@ -16,6 +16,7 @@
 //! * Streamed attention splits the token range into a fixed number of token-index-owned splits
 //!   per evaluation and combines them once in `attn_finish` (streamed == resident bit for bit).
 
+mod alloc_cache;
 mod attention;
 mod bench;
 mod blas;
@@ -74,6 +75,8 @@ pub struct CudaBackend {
     pub(crate) lend: Mutex<Option<lend::Lend>>,
     /// Whether region loans redirect allocations ([`lend::LEND_ENV`]).
     pub(crate) lend_enabled: std::sync::atomic::AtomicBool,
+    /// Free lists of small allocations ([`alloc_cache`]); `None` when turned off.
+    pub(crate) alloc_cache: Option<Arc<alloc_cache::AllocCache>>,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -170,6 +173,8 @@ impl CudaBackend {
             q4_gemv: ops::linear::q4mma::Q4GemvState::from_env(),
             lend: Mutex::new(None),
             lend_enabled: std::sync::atomic::AtomicBool::new(lend::lend_from_env()),
+            alloc_cache: alloc_cache::enabled_from_env()
+                .then(|| Arc::new(alloc_cache::AllocCache::default())),
         })
     }
 

@@ -1,6 +1,7 @@
 //! Device-side value types of the CUDA backend: allocations, buffers (with views), tensors,
 //! weights, fences and host registrations.
 
+use crate::alloc_cache::AllocCache;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use kvstream_memory_contracts::backend::{
     DeviceBuffer, DeviceTensor, DeviceWeight, Fence, WeightDType,
@@ -26,6 +27,8 @@ pub struct DeviceAlloc {
 enum Backing {
     Owned(CudaSlice<u8>),
     Lent(LentRange),
+    /// An allocation of a cached size class: back to the cache when dropped.
+    Cached(Option<CudaSlice<u8>>, Arc<AllocCache>),
 }
 
 /// `[offset, offset + reserved)` of a lent region's allocator, keeping the arena alive.
@@ -56,6 +59,24 @@ impl DeviceAlloc {
         };
         Self {
             backing: Backing::Owned(slice),
+            ptr,
+            len,
+        }
+    }
+    /// `len` usable bytes of `slice`, an allocation of one of `cache`'s size classes, which it
+    /// returns to `cache` when dropped.
+    pub(crate) fn cached(
+        slice: CudaSlice<u8>,
+        stream: &CudaStream,
+        len: usize,
+        cache: Arc<AllocCache>,
+    ) -> Self {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        Self {
+            backing: Backing::Cached(Some(slice), cache),
             ptr,
             len,
         }
@@ -99,6 +120,7 @@ impl DeviceAlloc {
         match &self.backing {
             Backing::Owned(s) => s.len(),
             Backing::Lent(r) => r.bytes,
+            Backing::Cached(s, _) => s.as_ref().map_or(0, |s| s.len()),
         }
     }
 }
@@ -107,8 +129,20 @@ impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         // cudarc frees an owned slice (cuMemFreeAsync on its stream) right after this body; make
         // sure the context is current on whichever thread drops the last reference.
-        if let Backing::Owned(s) = &self.backing {
-            let _ = s.stream().context().bind_to_thread();
+        match &mut self.backing {
+            Backing::Owned(s) => {
+                let _ = s.stream().context().bind_to_thread();
+            }
+            Backing::Cached(slot, cache) => {
+                if let Some(s) = slot.take() {
+                    if let Some(s) = cache.give(s) {
+                        // The cache is full: free it (cuMemFreeAsync on its stream).
+                        let _ = s.stream().context().bind_to_thread();
+                        drop(s);
+                    }
+                }
+            }
+            Backing::Lent(_) => {}
         }
     }
 }
