@@ -276,11 +276,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
             // q4_g128: the tensor-core kernels (plain and persistent) and the SIMT one.
             let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
-                &[
-                    Some(Q4Gemv::MmaPersistent),
-                    Some(Q4Gemv::Mma),
-                    Some(Q4Gemv::Simt),
-                ]
+                &[Some(Q4Gemv::MmaPersistent), Some(Q4Gemv::Simt)]
             } else {
                 &[None]
             };
@@ -289,7 +285,6 @@ fn main() -> Result<(), Box<dyn Error>> {
                     b.set_q4_gemv(p);
                 }
                 let tag = match path {
-                    Some(Q4Gemv::Mma) => " (mma)",
                     Some(Q4Gemv::MmaPersistent) => " (mmap)",
                     Some(Q4Gemv::Simt) => " (simt)",
                     Some(Q4Gemv::Auto) => " (auto)",

@@ -99,9 +99,6 @@ pub const MODULES: &[KernelModule] = &[
         source: include_str!("cu/gemv_mma.cu"),
         kernels: &[
             "gemv_q4mma_xprep",
-            "gemv_q4mma_m1",
-            "gemv_q4mma_m2",
-            "gemv_q4mma_m4",
             "gemv_q4mmap",
             "gemv_q4mmap_xs",
             "gemv_q4mmap3",

@@ -150,12 +150,6 @@ impl LinearOps for CudaBackend {
         if t <= GEMV_MAX_T {
             if w.dtype == WeightDType::Q4G128 {
                 match self.q4_gemv().for_rows(n) {
-                    q4mma::Q4Gemv::Mma => {
-                        if let Some(plan) = q4mma::q4_mma_plan(n, k, wp, soff, self.sm_count) {
-                            self.gemv_q4_mma(plan, x, wp, soff, &out, t, n, k)?;
-                            return Ok(out);
-                        }
-                    }
                     q4mma::Q4Gemv::MmaPersistent => {
                         if let Some(plan) = self.q4_mmap_plan(n, k, wp, soff) {
                             self.gemv_q4_mmap(plan, x, wp, soff, &out, t, n, k)?;

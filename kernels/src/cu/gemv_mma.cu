@@ -21,11 +21,9 @@
 // x in exactly that order (per token t, group G, lane-quarter tq: 8 uint4 of {hi, hi, lo, lo}),
 // so the B fragment of a step is one 16-byte load, and the C fragment columns are the tokens.
 //
-// Work split: a block of QM_WARPS warps owns 16·MT consecutive rows; warp w takes the 128-groups
-// G ≡ w (mod QM_WARPS), accumulating per group: acc = fmaf(scale, group_sum, acc). The block then
-// adds the warps' partial sums in warp order. Everything is a function of N and K (MT from N and
-// the SM count), and each output column (token) is computed by the tensor core independently of
-// the others, so row t of a T-row call is bit-identical to a 1-row call (MTP verification).
+// Work split: see the stream-K kernel below (`gemv_q4mmap*`). Each output column (token) is
+// computed by the tensor core independently of the others, so row t of a T-row call is
+// bit-identical to a 1-row call (MTP verification).
 
 #define QM_WARPS 8
 
@@ -94,131 +92,10 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
     xf[base + (2 * w + 1) * 4 + tq] = make_uint4(h26, h37, l26, l37);
 }
 
-template <int MT, int P>
-__device__ __forceinline__ void q4mma_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
-                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff) {
-    __shared__ float red[QM_WARPS][MT][4][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tq = lane & 3;
-    const u64 NG = K / 128, rb = K / 2;
-    const u64 row0 = (u64)blockIdx.x * 16 * MT;
-    const u8* wa[MT];
-    const u8* wb[MT];
-    const u16* sa[MT];
-    const u16* sb[MT];
-#pragma unroll
-    for (int m = 0; m < MT; m++) {
-        // Rows past N re-read row N - 1 (never stored).
-        const u64 na = row0 + 16 * m + g, nb = na + 8;
-        const u64 ra = na < N ? na : N - 1, rbw = nb < N ? nb : N - 1;
-        wa[m] = w + ra * rb + tq * 16;
-        wb[m] = w + rbw * rb + tq * 16;
-        sa[m] = (const u16*)(w + soff) + ra * NG;
-        sb[m] = (const u16*)(w + soff) + rbw * NG;
-    }
-    // Token column g: lanes with g >= T feed zeros (their columns are never stored).
-    const bool live = g < T;
-    const uint4* xq = xf + (u64)(live ? g : 0) * NG * 32 + tq;
-    float acc[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[m][i] = 0.0f;
-
-    // Software pipeline: a ring of P stages of codes and scales in registers, P groups in flight
-    // per warp (P·MT KB of codes); the x fragments of a group are loaded when it is computed
-    // (L2/L1 hits: xprep wrote them just before).
-    uint4 ca[P][MT], cb[P][MT];
-    float da[P][MT], db[P][MT];
-    auto load = [&](int s, u64 G) {
-        if (G < NG) {
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                ca[s][m] = qm_ld_stream(wa[m] + G * 64);
-                cb[s][m] = qm_ld_stream(wb[m] + G * 64);
-                da[s][m] = f16_to_f32(sa[m][G]);
-                db[s][m] = f16_to_f32(sb[m][G]);
-            }
-        }
-    };
-#pragma unroll
-    for (int s = 0; s < P; s++) load(s, (u64)warp + (u64)s * QM_WARPS);
-    for (u64 G0 = warp; G0 < NG; G0 += (u64)P * QM_WARPS) {
-#pragma unroll
-        for (int s = 0; s < P; s++) {
-            const u64 G = G0 + (u64)s * QM_WARPS;
-            if (G >= NG) break;
-            uint4 px[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) px[j] = live ? xq[G * 32 + j * 4] : make_uint4(0u, 0u, 0u, 0u);
-            uint4 pa[MT], pb[MT];
-            float qa[MT], qb[MT];
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                pa[m] = ca[s][m];
-                pb[m] = cb[s][m];
-                qa[m] = da[s][m];
-                qb[m] = db[s][m];
-            }
-            load(s, G + (u64)P * QM_WARPS);  // refill this stage
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                float cg[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int wd = 0; wd < 4; wd++) {
-                    const u32 va = qm_word(pa[m], wd), vb = qm_word(pb[m], wd);
-                    const uint4 x0 = px[2 * wd], x1 = px[2 * wd + 1];
-                    // step h = 0: codes (0, 4) and (1, 5)
-                    u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
-                    qm_mma(cg, a0, a1, a2, a3, x0.x, x0.y);
-                    qm_mma(cg, a0, a1, a2, a3, x0.z, x0.w);
-                    // step h = 1: codes (2, 6) and (3, 7)
-                    a0 = qm_deq(va >> 8);
-                    a1 = qm_deq(vb >> 8);
-                    a2 = qm_deq(va >> 12);
-                    a3 = qm_deq(vb >> 12);
-                    qm_mma(cg, a0, a1, a2, a3, x1.x, x1.y);
-                    qm_mma(cg, a0, a1, a2, a3, x1.z, x1.w);
-                }
-                // C layout: cg[0], cg[1] = (row g, tokens 2tq, 2tq+1); cg[2], cg[3] = (row g + 8).
-                acc[m][0] = fmaf(qa[m], cg[0], acc[m][0]);
-                acc[m][1] = fmaf(qa[m], cg[1], acc[m][1]);
-                acc[m][2] = fmaf(qb[m], cg[2], acc[m][2]);
-                acc[m][3] = fmaf(qb[m], cg[3], acc[m][3]);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) red[warp][m][i][lane] = acc[m][i];
-    __syncthreads();
-    // Sum the warps in order; entry (m, i, lane) → row row0 + 16m + g (+8 for i >= 2), token
-    // 2tq + (i & 1).
-    for (int e = threadIdx.x; e < MT * 4 * 32; e += QM_WARPS * 32) {
-        const int m = e / 128, i = (e >> 5) & 3, ln = e & 31;
-        const u64 row = row0 + 16 * m + (ln >> 2) + (i >= 2 ? 8 : 0);
-        const int t = 2 * (ln & 3) + (i & 1);
-        if (t < T && row < N) {
-            float s = red[0][m][i][ln];
-#pragma unroll
-            for (int ww = 1; ww < QM_WARPS; ww++) s += red[ww][m][i][ln];
-            y[(u64)t * N + row] = s;
-        }
-    }
-}
-
-#define Q4MMA_ARGS const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff
-// MT m-tiles of 16 rows per block (the launcher picks it from N and the SM count), P pipeline
-// stages: 4 KB of codes in flight per warp where the registers allow.
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4mma_m1(Q4MMA_ARGS) { q4mma_body<1, 4>(xf, w, y, T, K, N, soff); }
-extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m2(Q4MMA_ARGS) { q4mma_body<2, 2>(xf, w, y, T, K, N, soff); }
-extern "C" __launch_bounds__(QM_WARPS * 32, 1) __global__ void gemv_q4mma_m4(Q4MMA_ARGS) { q4mma_body<4, 2>(xf, w, y, T, K, N, soff); }
-
 // ------------------------------------------------------------------------------------------------
-// Persistent stream-K variant (`gemv_q4mmap`, `gemv_q4mmap_xs`, and the 3-blocks-per-SM builds
-// `gemv_q4mmap3*`): the same fragments, K permutation and precision as above, arranged so every
-// warp streams an equal share of the work without pause.
+// The GEMV (`gemv_q4mmap`, `gemv_q4mmap_xs`, and the 3-blocks-per-SM builds `gemv_q4mmap3*`):
+// persistent stream-K, so every warp streams an equal share of the work without pause. (It
+// replaced a one-tile-per-block kernel that measured slower on every shape, session 5.)
 //
 // Work: the items (16-row m-tile, 128-group), tile-major (item i = tile i / NG, group i % NG). The
 // W = gridDim.x · QM_WARPS warps of the grid (the launcher: SMs × resident blocks, never a function

@@ -418,6 +418,14 @@ fn decode_row_unchecked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Σ (a - b)² in f64, in element order.
+    fn sq_err(a: &[f32], b: &[f32]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+            .sum()
+    }
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
 
@@ -480,11 +488,7 @@ mod tests {
                     (f64::from(v) - f64::from(d * q)).powi(2)
                 })
                 .sum();
-            let got: f64 = xs
-                .iter()
-                .zip(ys)
-                .map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2))
-                .sum();
+            let got = sq_err(xs, ys);
             assert!(got <= base, "{got} > base {base}");
             if got < base {
                 improved += 1;
@@ -568,11 +572,7 @@ mod tests {
                     (f64::from(v) - f64::from(q)).powi(2)
                 })
                 .sum();
-            let got: f64 = xs
-                .iter()
-                .zip(ys)
-                .map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2))
-                .sum();
+            let got = sq_err(xs, ys);
             assert!(got <= base, "{got} > base {base}");
             improved += usize::from(got < base);
             got_total += got;

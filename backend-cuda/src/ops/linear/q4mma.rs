@@ -1,13 +1,10 @@
-//! The tensor-core q4_g128 decode GEMV (`kernels/src/cu/gemv_mma.cu`): plan, path switch and
-//! launch. `gemv_q4mma_xprep` lays x out as split bf16 (hi + lo) in the MMA fragment order, then
-//! `gemv_q4mma_m{1,2,4}` (8 warps per block, 16·MT rows, the 128-groups of K interleaved over the
-//! warps) multiplies. The plan depends on N, K and the SM count only, never on T, and each token
-//! is its own MMA column, so row t of a T-row call equals a 1-row call bit for bit.
+//! The q4_g128 decode GEMV path switch and what the tensor-core kernel shares with it:
+//! `gemv_q4mma_xprep` lays x out as split bf16 (hi + lo) in the MMA fragment order that the
+//! persistent stream-K kernel ([`super::q4mmap`], `kernels/src/cu/gemv_mma.cu`) reads.
 //!
-//! Opt-in: `KVSTREAM_Q4_GEMV=mma` (or [`CudaBackend::set_q4_gemv`]); the default stays on the SIMT
-//! kernels of linear.cu, which measured faster at T = 1 on the H200 (docs/benchmarks.md,
-//! "session 4"; the tensor-core kernel wins at T = 4). The path must not depend on T: rows of a
-//! T-row call must equal 1-row calls bit for bit, and the two kernels round differently.
+//! [`Q4Gemv::Auto`] (the default) picks the tensor-core kernel or the SIMT kernels of linear.cu
+//! per weight shape, never per T: rows of a T-row call must equal 1-row calls bit for bit, and
+//! the two kernels round differently.
 
 use crate::launch::args;
 use crate::{CudaBackend, CudaTensor};
@@ -16,13 +13,12 @@ use kvstream_memory_contracts::error::OpError;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Environment variable choosing the q4_g128 decode GEMV: `auto` (or unset) picks per weight shape
-/// ([`Q4Gemv::Auto`]); `mma` takes the tensor-core kernel where the shape allows, `mmap` its
-/// persistent variant ([`super::q4mmap`]); `simt` the SIMT kernels.
+/// ([`Q4Gemv::Auto`]); `mmap` takes the tensor-core kernel ([`super::q4mmap`]) wherever the shape
+/// allows, `simt` the SIMT kernels.
 pub const Q4_GEMV_ENV: &str = "KVSTREAM_Q4_GEMV";
 
-/// Warps per block (`QM_WARPS` in gemv_mma.cu).
-const QM_WARPS: usize = 8;
-/// Values per scale group (and per warp work unit) of q4_g128.
+/// Values per scale group of q4_g128.
+#[cfg(test)]
 const GROUP: usize = 128;
 /// Threads per block of `gemv_q4mma_xprep`.
 const XPREP_THREADS: u32 = 256;
@@ -30,10 +26,8 @@ const XPREP_THREADS: u32 = 256;
 /// Which kernel computes a q4_g128 matmul of at most 8 rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Q4Gemv {
-    /// Tensor cores (mma.m16n8k16, split-bf16 x, exact codes, f32 accumulation).
-    Mma,
-    /// The same products in the persistent kernel (`gemv_q4mmap`: teams of warps stream their
-    /// (tile, group) items without pause; see [`super::q4mmap`]).
+    /// Tensor cores (mma.m16n8k16, split-bf16 x, exact codes, f32 accumulation) in the persistent
+    /// stream-K kernel (`gemv_q4mmap*`, see [`super::q4mmap`]).
     MmaPersistent,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
@@ -71,7 +65,6 @@ pub const AUTO_MMAP_MIN_ROWS: usize = 16_384;
 /// The path an environment value selects (unset or unknown: [`Q4Gemv::Auto`]).
 fn selects(v: Option<&str>) -> Q4Gemv {
     match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-        Some("mma") => Q4Gemv::Mma,
         Some("mmap") => Q4Gemv::MmaPersistent,
         Some("simt") => Q4Gemv::Simt,
         _ => Q4Gemv::Auto,
@@ -81,17 +74,15 @@ fn selects(v: Option<&str>) -> Q4Gemv {
 fn code(p: Q4Gemv) -> u8 {
     match p {
         Q4Gemv::Simt => 0,
-        Q4Gemv::Mma => 1,
-        Q4Gemv::MmaPersistent => 2,
-        Q4Gemv::Auto => 3,
+        Q4Gemv::MmaPersistent => 1,
+        Q4Gemv::Auto => 2,
     }
 }
 
 fn from_code(c: u8) -> Q4Gemv {
     match c {
         0 => Q4Gemv::Simt,
-        1 => Q4Gemv::Mma,
-        2 => Q4Gemv::MmaPersistent,
+        1 => Q4Gemv::MmaPersistent,
         _ => Q4Gemv::Auto,
     }
 }
@@ -105,51 +96,6 @@ impl Q4Gemv {
             p => p,
         }
     }
-}
-
-/// One tensor-core GEMV launch: the instance and its grid.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Q4MmaPlan {
-    pub(crate) name: &'static str,
-    /// m-tiles of 16 rows per block.
-    pub(crate) mt: usize,
-    pub(crate) blocks: u32,
-}
-
-/// The plan for `[n, k]` q4_g128 codes at `w_ptr` with scales at byte `soff` on `sms`
-/// multiprocessors (0: unknown), or `None` when the shape does not suit the kernel (K not a
-/// multiple of 128, unaligned codes or scales, too many rows). MT minimises the rows of the
-/// busiest SM, `ceil(blocks / sms) · 16·MT` (ties: the larger MT, which reads x fewer times).
-pub(crate) fn q4_mma_plan(
-    n: usize,
-    k: usize,
-    w_ptr: u64,
-    soff: u64,
-    sms: usize,
-) -> Option<Q4MmaPlan> {
-    if n == 0 || k == 0 || k % GROUP != 0 || w_ptr % 16 != 0 || soff % 2 != 0 {
-        return None;
-    }
-    let sms = sms.max(1);
-    let mut best: Option<(usize, usize)> = None; // (busiest-SM rows, mt)
-    for mt in [1usize, 2, 4] {
-        let blocks = n.div_ceil(16 * mt);
-        let busiest = blocks.div_ceil(sms) * 16 * mt;
-        if best.is_none_or(|(b, _)| busiest <= b) {
-            best = Some((busiest, mt));
-        }
-    }
-    let (_, mt) = best?;
-    let blocks = u32::try_from(n.div_ceil(16 * mt)).ok()?;
-    if blocks > i32::MAX as u32 {
-        return None;
-    }
-    let name = match mt {
-        1 => "gemv_q4mma_m1",
-        2 => "gemv_q4mma_m2",
-        _ => "gemv_q4mma_m4",
-    };
-    Some(Q4MmaPlan { name, mt, blocks })
 }
 
 impl CudaBackend {
@@ -188,33 +134,6 @@ impl CudaBackend {
         self.launch("gemv", f, cfg, &mut a)?;
         Ok(xf)
     }
-
-    /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores (`t` ≤ 8).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemv_q4_mma(
-        &self,
-        plan: Q4MmaPlan,
-        x: &CudaTensor,
-        w_ptr: u64,
-        soff: u64,
-        y: &CudaTensor,
-        t: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<(), OpError> {
-        let _span = tracing::trace_span!("gemv_q4_mma", t, n, k, mt = plan.mt).entered();
-        let xf = self.q4_mma_xprep(x, t, k)?;
-        let (xfp, yp) = (xf.ptr(), y.ptr());
-        let (t32, k64, n64) = (t as i32, k as u64, n as u64);
-        let f = self.func(plan.name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (plan.blocks, 1, 1),
-            block_dim: ((QM_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff];
-        self.launch("gemv", f, cfg, &mut a)
-    }
 }
 
 #[cfg(test)]
@@ -223,20 +142,15 @@ mod tests {
 
     #[test]
     fn env_values_select_their_path() {
-        assert_eq!(selects(Some("mma")), Q4Gemv::Mma);
-        assert_eq!(selects(Some(" MMA ")), Q4Gemv::Mma);
         assert_eq!(selects(Some("mmap")), Q4Gemv::MmaPersistent);
+        assert_eq!(selects(Some(" MMAP ")), Q4Gemv::MmaPersistent);
+        assert_eq!(selects(Some("mma")), Q4Gemv::Auto);
         assert_eq!(selects(Some("simt")), Q4Gemv::Simt);
         assert_eq!(selects(Some("auto")), Q4Gemv::Auto);
         assert_eq!(selects(Some("")), Q4Gemv::Auto);
         assert_eq!(selects(Some("tensor")), Q4Gemv::Auto);
         assert_eq!(selects(None), Q4Gemv::Auto);
-        for p in [
-            Q4Gemv::Simt,
-            Q4Gemv::Mma,
-            Q4Gemv::MmaPersistent,
-            Q4Gemv::Auto,
-        ] {
+        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Auto] {
             assert_eq!(from_code(code(p)), p);
         }
     }
@@ -249,46 +163,10 @@ mod tests {
         assert_eq!(Q4Gemv::Auto.for_rows(248_320), Q4Gemv::MmaPersistent);
         assert_eq!(Q4Gemv::Auto.for_rows(5_120), Q4Gemv::Simt);
         assert_eq!(Q4Gemv::Auto.for_rows(12_288), Q4Gemv::Simt);
-        for p in [Q4Gemv::Simt, Q4Gemv::Mma, Q4Gemv::MmaPersistent] {
+        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent] {
             assert_eq!(p.for_rows(7), p);
             assert_eq!(p.for_rows(1 << 20), p);
         }
-    }
-
-    #[test]
-    fn plan_needs_whole_groups_and_aligned_codes() {
-        assert!(q4_mma_plan(64, 1024, 0, 0, 132).is_some());
-        assert!(q4_mma_plan(64, 1000, 0, 0, 132).is_none());
-        assert!(q4_mma_plan(64, 1024, 8, 0, 132).is_none());
-        assert!(q4_mma_plan(64, 1024, 0, 3, 132).is_none());
-        assert!(q4_mma_plan(0, 1024, 0, 0, 132).is_none());
-    }
-
-    #[test]
-    fn plan_covers_every_row_and_balances_the_sms() {
-        for &(n, sms) in &[
-            (17408, 132),
-            (5120, 132),
-            (12288, 132),
-            (248_320, 132),
-            (7, 132),
-            (70, 0),
-        ] {
-            let p = q4_mma_plan(n, 5120, 0, 0, sms).expect("plan");
-            let rows = p.blocks as usize * 16 * p.mt;
-            assert!(rows >= n && rows < n + 16 * p.mt, "n={n}: {p:?}");
-            assert!(kvstream_kernels::module_of(p.name).is_some(), "{}", p.name);
-            assert!(p.name.ends_with(&p.mt.to_string()), "{p:?}");
-        }
-        // 17408 rows on 132 SMs: 1,088 blocks of 16 rows (the busiest SM holds 144 rows; 32- or
-        // 64-row blocks would give it 160 or 192).
-        assert_eq!(q4_mma_plan(17408, 5120, 0, 0, 132).map(|p| p.mt), Some(1));
-        // 12288: 96 rows either way -> the larger tile.
-        assert_eq!(q4_mma_plan(12288, 5120, 0, 0, 132).map(|p| p.mt), Some(2));
-        // A tall head: 1,888 rows on the busiest SM with 16- or 32-row blocks, 1,920 with 64.
-        assert_eq!(q4_mma_plan(248_320, 5120, 0, 0, 132).map(|p| p.mt), Some(2));
-        // Few SMs: everything balances, the largest tile wins.
-        assert_eq!(q4_mma_plan(4096, 5120, 0, 0, 1).map(|p| p.mt), Some(4));
     }
 
     /// Mirrors the fragment bookkeeping of gemv_mma.cu for one 128-group: lane (g, tq) loads code
