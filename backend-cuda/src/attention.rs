@@ -283,20 +283,11 @@ fn check_state(
 }
 
 fn reserve_smem(f: &CudaFunction, smem: usize) -> Result<(), AttentionError> {
-    // SAFETY: sets a launch attribute of a loaded function; the value fits the device limit
-    // (callers only pass sizes checked against `max_smem_optin`).
-    let r = unsafe {
-        sys::cuFuncSetAttribute(
-            f.cu_function(),
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(cap(format!(
+    crate::launch::allow_dynamic_smem(f, smem).map_err(|r| {
+        cap(format!(
             "cannot reserve {smem} bytes of shared memory: {r:?}"
-        )));
-    }
+        ))
+    })?;
     // The whole unified L1/shared array as shared memory where the driver can use it (a hint:
     // without it the driver may pick a smaller carveout than 3 blocks of ~70 KB need). K and V
     // travel by cp.async.cg, which bypasses L1 anyway.

@@ -13,6 +13,28 @@ pub(crate) fn dev(op: &'static str) -> impl Fn(DriverError) -> OpError {
     }
 }
 
+/// Lets `f` take `bytes` of dynamic shared memory (the opt-in beyond 48 KiB); callers pass sizes
+/// checked against the device's opt-in limit. The driver's result on failure.
+pub(crate) fn allow_dynamic_smem(
+    f: &CudaFunction,
+    bytes: usize,
+) -> Result<(), cudarc::driver::sys::CUresult> {
+    use cudarc::driver::sys;
+    // SAFETY: sets a launch attribute of a loaded function; the value fits the device limit.
+    let r = unsafe {
+        sys::cuFuncSetAttribute(
+            f.cu_function(),
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+    };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(r)
+    }
+}
+
 /// A 1-D launch over `n` elements (grid-stride kernels; grid capped).
 pub(crate) fn grid1d(n: usize, threads: u32) -> LaunchConfig {
     let blocks = n.div_ceil(threads as usize).clamp(1, 65_535 * 8) as u32;

@@ -10,9 +10,9 @@
 //! of the SM count and the build only; T and the x staging (`_xs`: x fragments in shared memory
 //! when they fit) only decide where x is read from, never the arithmetic of an output.
 
-use crate::launch::{args, dev};
+use crate::launch::{allow_dynamic_smem, args, dev};
 use crate::{CudaBackend, CudaTensor, DeviceAlloc};
-use cudarc::driver::{result, sys, CudaFunction, LaunchConfig};
+use cudarc::driver::{result, LaunchConfig};
 use kvstream_memory_contracts::error::OpError;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -118,28 +118,6 @@ fn staged_x_bytes(t: usize, k: usize, max_smem_optin: usize, per_sm: usize) -> O
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
 }
 
-fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<(), OpError> {
-    // SAFETY: sets a launch attribute of a loaded function to a size the caller checked against
-    // the device's opt-in limit.
-    let r = unsafe {
-        sys::cuFuncSetAttribute(
-            f.cu_function(),
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(OpError::Capability(
-            kvstream_memory_contracts::CapabilityError::new(
-                "cuda",
-                "gemv_q4mmap_xs",
-                format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
-            ),
-        ));
-    }
-    Ok(())
-}
-
 impl CudaBackend {
     /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores, persistent kernel (`t` ≤ 8).
     #[allow(clippy::too_many_arguments)]
@@ -213,7 +191,14 @@ impl CudaBackend {
         let f = self.func(name)?;
         // Static + dynamic shared memory beyond 48 KiB needs the opt-in, once for the largest size.
         if smem > 0 && !self.q4_gemv.xs_reserved.load(Ordering::Relaxed) {
-            allow_dynamic_smem(f, staged_limit(self.max_smem_optin, per_sm))?;
+            let bytes = staged_limit(self.max_smem_optin, per_sm);
+            allow_dynamic_smem(f, bytes).map_err(|r| {
+                OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
+                    "cuda",
+                    "gemv_q4mmap_xs",
+                    format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
+                ))
+            })?;
             self.q4_gemv.xs_reserved.store(true, Ordering::Relaxed);
         }
         let cfg = LaunchConfig {
