@@ -177,24 +177,42 @@ fn target_override() -> Option<usize> {
     })
 }
 
-/// The fast kernel's instance for `nt` query n-tiles (1..=4) and `head_dim` (64, 128, 256): one
-/// entry point per instance (attention.cu), each with its own register budget.
+/// The fast kernel's instances (attention.cu: one entry point each, with its own register
+/// budget), by head_dim (64, 128, 256) and query n-tiles (1..=4).
+const FAST_KERNELS: [(usize, [&str; 4]); 3] = [
+    (
+        64,
+        [
+            "attn_q8q4_n1_d64",
+            "attn_q8q4_n2_d64",
+            "attn_q8q4_n3_d64",
+            "attn_q8q4_n4_d64",
+        ],
+    ),
+    (
+        128,
+        [
+            "attn_q8q4_n1_d128",
+            "attn_q8q4_n2_d128",
+            "attn_q8q4_n3_d128",
+            "attn_q8q4_n4_d128",
+        ],
+    ),
+    (
+        256,
+        [
+            "attn_q8q4_n1_d256",
+            "attn_q8q4_n2_d256",
+            "attn_q8q4_n3_d256",
+            "attn_q8q4_n4_d256",
+        ],
+    ),
+];
+
+/// The fast kernel's instance for `nt` query n-tiles (1..=4) and `head_dim` (64, 128, 256).
 fn fast_kernel_name(nt: usize, head_dim: usize) -> Option<&'static str> {
-    Some(match (nt, head_dim) {
-        (1, 64) => "attn_q8q4_n1_d64",
-        (2, 64) => "attn_q8q4_n2_d64",
-        (3, 64) => "attn_q8q4_n3_d64",
-        (4, 64) => "attn_q8q4_n4_d64",
-        (1, 128) => "attn_q8q4_n1_d128",
-        (2, 128) => "attn_q8q4_n2_d128",
-        (3, 128) => "attn_q8q4_n3_d128",
-        (4, 128) => "attn_q8q4_n4_d128",
-        (1, 256) => "attn_q8q4_n1_d256",
-        (2, 256) => "attn_q8q4_n2_d256",
-        (3, 256) => "attn_q8q4_n3_d256",
-        (4, 256) => "attn_q8q4_n4_d256",
-        _ => return None,
-    })
+    let (_, names) = FAST_KERNELS.iter().find(|(d, _)| *d == head_dim)?;
+    names.get(nt.checked_sub(1)?).copied()
 }
 
 fn force_generic() -> bool {
