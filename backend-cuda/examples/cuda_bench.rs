@@ -61,6 +61,39 @@ fn time<F: FnMut() -> Result<(), Box<dyn Error>>>(
     Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
 
+/// GPU time per call of `f` without the host's launch cost: `f` enqueued `per_graph` times into
+/// one CUDA graph (after a warm-up call), the graph replayed `replays` times.
+fn time_graph<F: FnMut() -> Result<(), Box<dyn Error>>>(
+    b: &CudaBackend,
+    per_graph: usize,
+    replays: usize,
+    mut f: F,
+) -> Result<f64, Box<dyn Error>> {
+    f()?;
+    b.synchronize()?;
+    let mut failed = None;
+    let graph = b.capture(|| {
+        for _ in 0..per_graph {
+            if let Err(e) = f() {
+                failed = Some(e.to_string());
+                break;
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    graph.launch()?;
+    b.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..replays {
+        graph.launch()?;
+    }
+    b.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / (replays * per_graph) as f64)
+}
+
 /// A weight blob of `dt` `[n, k]` for bandwidth runs: a 1 MiB block of valid encoded values
 /// (random, |w| < 0.05) tiled over the code section, and (quantized) constant 0.01 scales; no NaN
 /// codes. Tiling keeps set-up fast on the 2.5 GB lm_head while the data still far exceeds L2.
@@ -276,7 +309,11 @@ fn main() -> Result<(), Box<dyn Error>> {
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
             // q4_g128: the tensor-core kernels (plain and persistent) and the SIMT one.
             let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
-                &[Some(Q4Gemv::MmaPersistent), Some(Q4Gemv::Simt)]
+                &[
+                    Some(Q4Gemv::Int8),
+                    Some(Q4Gemv::MmaPersistent),
+                    Some(Q4Gemv::Simt),
+                ]
             } else {
                 &[None]
             };
@@ -287,6 +324,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                 let tag = match path {
                     Some(Q4Gemv::MmaPersistent) => " (mmap)",
                     Some(Q4Gemv::Simt) => " (simt)",
+                    Some(Q4Gemv::Int8) => " (i8)",
                     Some(Q4Gemv::Auto) => " (auto)",
                     None => "",
                 };
@@ -297,13 +335,21 @@ fn main() -> Result<(), Box<dyn Error>> {
                         b.matmul(&xt, &wt)?;
                         Ok(())
                     })?;
+                    let gsecs = time_graph(&b, 20, 10, || {
+                        b.matmul(&xt, &wt)?;
+                        Ok(())
+                    })?;
                     let gbs = bytes as f64 / secs / 1e9;
+                    let ggbs = bytes as f64 / gsecs / 1e9;
                     out!(
                         report,
-                        "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read){tag}",
+                        "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read); \
+                         graph {:>8.1} us, {ggbs:>5.0} GB/s ({:>3.0}%){tag}",
                         dt.name(),
                         secs * 1e6,
-                        100.0 * gbs / hbm
+                        100.0 * gbs / hbm,
+                        gsecs * 1e6,
+                        100.0 * ggbs / hbm
                     )?;
                 }
             }
@@ -387,7 +433,13 @@ fn main() -> Result<(), Box<dyn Error>> {
     // Full evaluation (begin + accumulate + finish) and the accumulate launch alone, widths 1 and
     // 4; the history is read once per evaluation whatever the width.
     let mut times = Vec::new();
-    for width in [1usize, 4] {
+    // KVSTREAM_BENCH_SKIP_ATTN=1 skips the attention timings (e.g. when only the GEMV changed).
+    let widths: &[usize] = if std::env::var_os("KVSTREAM_BENCH_SKIP_ATTN").is_some() {
+        &[]
+    } else {
+        &[1, 4]
+    };
+    for &width in widths {
         let shape = AttentionShape {
             q_heads: 24,
             kv_heads: 4,
@@ -424,6 +476,18 @@ fn main() -> Result<(), Box<dyn Error>> {
         })?;
         let gbs = pool_bytes as f64 / secs / 1e9;
         let kgbs = pool_bytes as f64 / ksecs / 1e9;
+        let gsecs = time_graph(&b, 20, 10, || {
+            kvstream_memory_contracts::attention::StreamedAttention::attn_accumulate_unchecked(
+                &b, &shape, &qt, &pool, &plan, &mut state,
+            )?;
+            Ok(())
+        })?;
+        out!(
+            report,
+            "attention q8_0/q4_0 64Ki tokens width {width}: accumulate kernel in a graph {:.1} us ({:.0}% of HBM read)",
+            gsecs * 1e6,
+            100.0 * pool_bytes as f64 / gsecs / 1e9 / hbm
+        )?;
         out!(
             report,
             "attention q8_0/q4_0 64Ki tokens width {width} ({path}): evaluation {:.1} us, \

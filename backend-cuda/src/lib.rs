@@ -21,6 +21,7 @@ mod attention;
 mod bench;
 mod blas;
 pub mod compile;
+mod graph;
 mod launch;
 mod lend;
 mod memory;
@@ -28,6 +29,7 @@ mod ops;
 mod types;
 
 pub use blas::{PrefillGemm, GEMM_ENV};
+pub use graph::CapturedWork;
 pub use lend::{LEND_DEFAULT, LEND_ENV};
 pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};

@@ -518,7 +518,12 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
                 s * mag * rng.random_range(0.5f32..1.0)
             })
             .collect();
-        for path in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Auto] {
+        for path in [
+            Q4Gemv::Simt,
+            Q4Gemv::MmaPersistent,
+            Q4Gemv::Int8,
+            Q4Gemv::Auto,
+        ] {
             p.gpu.set_q4_gemv(path);
             let run = |rows: &[f32], t: usize| -> Vec<f32> {
                 let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");

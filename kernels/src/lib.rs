@@ -103,6 +103,11 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_q4mmap_xs",
             "gemv_q4mmap3",
             "gemv_q4mmap3_xs",
+            "gemv_q4i8_xprep",
+            "gemv_q4i8p",
+            "gemv_q4i8p_xs",
+            "gemv_q4i8p1",
+            "gemv_q4i8p1_xs",
         ],
     },
     KernelModule {

@@ -149,14 +149,16 @@ impl LinearOps for CudaBackend {
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
             if w.dtype == WeightDType::Q4G128 {
-                match self.q4_gemv().for_rows(n) {
-                    q4mma::Q4Gemv::MmaPersistent => {
-                        if let Some(plan) = self.q4_mmap_plan(n, k, wp, soff) {
-                            self.gemv_q4_mmap(plan, x, wp, soff, &out, t, n, k)?;
-                            return Ok(out);
-                        }
+                let kind = match self.q4_gemv().resolved() {
+                    q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
+                    q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
+                    q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
+                };
+                if let Some(kind) = kind {
+                    if let Some(plan) = self.q4_mmap_plan(kind, n, k, wp, soff) {
+                        self.gemv_q4_mmap(plan, kind, x, wp, soff, &out, t, n, k)?;
+                        return Ok(out);
                     }
-                    q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => {}
                 }
             }
             let t32 = t as i32;

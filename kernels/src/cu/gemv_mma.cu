@@ -122,6 +122,58 @@ __device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
 // First item of warp w.
 __device__ __forceinline__ u32 qp_start(u32 w, u32 W, u32 work) { return (u32)((u64)w * work / W); }
 
+// One warp's part of tile `ct` is done (its range [i0, i1) ends inside the tile or the tile ends):
+// store the tile when the warp owns all of it, else publish the partial sums and let the last
+// contributor add them in warp order (see above). C layout: acc[0], acc[1] = (row g, tokens 2tq,
+// 2tq + 1); acc[2], acc[3] = (row g + 8, same tokens). Zeroes acc.
+__device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile, u32 i0, u32 i1, u32 NG, u32 W,
+                                             u32 work, u32 gw, int lane, int g, int tq, int T, u64 N,
+                                             float* __restrict__ y, float* __restrict__ scratch,
+                                             u32* __restrict__ counters) {
+    const u64 r0 = (u64)ct * 16 + g;
+    const int t0 = 2 * tq;
+    const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
+    if (tfirst >= i0 && tlast < i1) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u64 row = r0 + (i >= 2 ? 8 : 0);
+            const int t = t0 + (i & 1);
+            if (t < T && row < N) y[(u64)t * N + row] = acc[i];
+        }
+    } else {
+        const u32 slot = ct == first_tile ? 0 : 1;
+        float* mine = scratch + ((u64)gw * 2 + slot) * 128;
+#pragma unroll
+        for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
+        __threadfence();
+        __syncwarp();
+        const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
+        u32 prev = 0;
+        if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev == w1 - w0) {
+            // Last to arrive: add the partials in warp order.
+            __threadfence();
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (u32 ow = w0; ow <= w1; ow++) {
+                const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
+                const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u64 row = r0 + (i >= 2 ? 8 : 0);
+                const int t = t0 + (i & 1);
+                if (t < T && row < N) y[(u64)t * N + row] = v[i];
+            }
+            if (lane == 0) counters[ct] = 0u;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+}
+
 template <bool XS, int QP_P>
 __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                             float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
@@ -219,50 +271,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
             const bool range_end = j0 + s + 1 == total;
             if (++cg == NG || range_end) {
-                // This warp's part of tile ct is done. C layout: acc[0], acc[1] = (row g, tokens
-                // 2tq, 2tq + 1); acc[2], acc[3] = (row g + 8, same tokens).
-                const u64 r0 = (u64)ct * 16 + g;
-                const int t0 = 2 * tq;
-                const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
-                if (tfirst >= i0 && tlast < i1) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const u64 row = r0 + (i >= 2 ? 8 : 0);
-                        const int t = t0 + (i & 1);
-                        if (t < T && row < N) y[(u64)t * N + row] = acc[i];
-                    }
-                } else {
-                    const u32 slot = ct == first_tile ? 0 : 1;
-                    float* mine = scratch + ((u64)gw * 2 + slot) * 128;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
-                    __threadfence();
-                    __syncwarp();
-                    const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
-                    u32 prev = 0;
-                    if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
-                    prev = __shfl_sync(0xffffffffu, prev, 0);
-                    if (prev == w1 - w0) {
-                        // Last to arrive: add the partials in warp order.
-                        __threadfence();
-                        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        for (u32 ow = w0; ow <= w1; ow++) {
-                            const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
-                            const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
-#pragma unroll
-                            for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
-                        }
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            const u64 row = r0 + (i >= 2 ? 8 : 0);
-                            const int t = t0 + (i & 1);
-                            if (t < T && row < N) y[(u64)t * N + row] = v[i];
-                        }
-                        if (lane == 0) counters[ct] = 0u;
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
             }
@@ -286,4 +295,231 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3(Q4MM
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q4MMAP_ARGS) {
     q4mmap_body<true, 2>(Q4MMAP_PASS);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Integer tensor-core variant (`gemv_q4i8p*`): the same stream-K split, fix-up and register ring,
+// but the products run as mma.m16n8k32.u8.s8 (exact int32) and a code costs 3/8 instruction to
+// unpack instead of ~1.4, and one MMA covers 512 codes instead of 256.
+//
+// x: per (token t, 128-group G) `gemv_q4i8_xprep` rounds x to X = rint(x / xs), xs = amax / QI_M,
+// |X| ≤ QI_M = 0x7f7f7f, and splits X exactly into three signed bytes X = 65536·x2 + 256·x1 + x0
+// (x0, x1, x2 in [-127, 127]): 24 significant bits relative to the group's largest |x|.
+// Codes enter unsigned (u = q + 8 = the stored nibble, as u8), so per item and part p the MMA
+// chain gives C_p = Σ u·x_p exactly, and the group's value is
+//   Σ q·X = 65536·(C2 − 8·S2) + (256·C1 + C0 − 8·S10),  S2 = Σ x2, S10 = Σ (256·x1 + x0)
+// (xprep stores −8·S2 and −8·S10); both brackets are exact int32 (|C2| ≤ 128·15·127), the f32
+// combination rounds once, then acc = fmaf(v, xs·d, acc), groups ascending.
+// Error per output ≤ Σ_G (xs_G / 2)·Σ_{k∈G}|w_k| + f32 rounding: 2^-24 of the group's largest |x|
+// per weight (the split-bf16 kernel: 2^-17 of each |x|); NaN or ±inf in a group makes xs NaN.
+//
+// Fragments (m16n8k32, row.col): lane (g, tq) holds A bytes (row g: a0 = k-slots 4tq..4tq+3, a2 =
+// 16+4tq..; row g + 8: a1, a3) and B bytes b0 = k-slots 4tq.., b1 = 16+4tq.. of token column g.
+// Lane (g, tq) loads code bytes 16tq..16tq+15 of its rows' group, word wd = codes 32tq + 8wd + e
+// (nibble e); step wd puts the even nibbles (word & 0x0f0f0f0f: e = 0, 2, 4, 6) in a0/a1 and the
+// odd ones ((word >> 4) & 0x0f0f0f0f) in a2/a3, so b0 must hold x at k = 128G + 32tq + 8wd + 2j and
+// b1 at ... + 2j + 1 (byte j). Per (t, G) xprep writes 25 uint4: [wd·4 + tq] = {x2.b0, x2.b1,
+// x1.b0, x1.b1}; uint2 [32 + wd·4 + tq] (bytes 256..383) = {x0.b0, x0.b1}; [24] = {xs, −8·S2,
+// −8·S10, 0}.
+#define QI_M 8355711  // 0x7f7f7f
+#define QI_U4 25      // uint4 per (token, group)
+
+// x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
+extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
+    const int lane = threadIdx.x & 31;
+    if (gi >= (u64)T * (K / 128)) return;  // warp-uniform
+    const float4 v = ((const float4*)(x + gi * 128))[lane];
+    const bool bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+    float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    const bool any_bad = __any_sync(0xffffffffu, bad);
+    const float inv = (am > 0.0f && !any_bad) ? (float)QI_M / am : 0.0f;
+    const float xs = any_bad ? __int_as_float(0x7fc00000) : am / (float)QI_M;
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+    u32 part[3] = {0u, 0u, 0u};  // per part: b0 half (bytes of values 0, 2) | b1 half << 16 (1, 3)
+    int s2 = 0, s10 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int X = __float2int_rn(vals[i] * inv);
+        X = X > QI_M ? QI_M : (X < -QI_M ? -QI_M : X);
+        const int x0 = (int)(i8)(X & 0xff);
+        const int r = (X - x0) >> 8;
+        const int x1 = (int)(i8)(r & 0xff);
+        const int x2 = (r - x1) >> 8;
+        s2 += x2;
+        s10 += X - 65536 * x2;
+        const int sh = (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
+        part[0] |= (u32)(x0 & 0xff) << sh;
+        part[1] |= (u32)(x1 & 0xff) << sh;
+        part[2] |= (u32)(x2 & 0xff) << sh;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+        s10 += __shfl_xor_sync(0xffffffffu, s10, o);
+    }
+    u32 other[3];
+#pragma unroll
+    for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
+    // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
+    // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
+    uint4* base = xf + gi * QI_U4;
+    if ((lane & 1) == 0) {
+        const int tq = lane >> 3, wd = (lane >> 1) & 3;
+        u32 b0[3], b1[3];
+#pragma unroll
+        for (int p = 0; p < 3; p++) {
+            b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
+            b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+        }
+        base[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
+        ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
+    }
+    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), (u32)(-8 * s2), (u32)(-8 * s10), 0u);
+}
+
+// D (s32x4) += A (u8 16x32, row) * B (s8 32x8, col).
+__device__ __forceinline__ void qi_mma(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The group value of C element i (see above) for the token whose metadata is m.
+__device__ __forceinline__ float qi_value(const int* c2, const int* c1, const int* c0, int i, const uint4& m) {
+    const int hi = c2[i] + (int)m.y;
+    const int lo = c1[i] * 256 + c0[i] + (int)m.z;
+    return __fmaf_rn(__int2float_rn(hi), 65536.0f, __int2float_rn(lo));
+}
+
+// ODD: compute the odd token columns (2tq + 1) too; the T = 1 builds skip them (column 2tq gets
+// the same instructions either way).
+template <bool XS, int QP_P, bool ODD>
+__device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
+                                           float* __restrict__ scratch, u32* __restrict__ counters) {
+    extern __shared__ __align__(16) uint4 qp_xs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const u32 NG = (u32)(K / 128);
+    const u64 rb = K / 2;
+    const u32 tiles = (u32)((N + 15) / 16);
+    const u32 W = gridDim.x * QM_WARPS;
+    const u32 gw = blockIdx.x * QM_WARPS + warp;
+    const u32 work = tiles * NG;
+    const u32 per = NG * QI_U4;
+    const u32 tstride = XS ? per + 1u : per;
+    if (XS) {
+        const u32 n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
+        __syncthreads();
+    }
+    const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
+    if (i0 >= i1) return;
+    const u32 first_tile = i0 / NG;
+    const uint4* xsrc = XS ? (const uint4*)qp_xs : xf;
+    // B fragments: token column g; metadata: the C columns 2tq, 2tq + 1 (dead ones read token 0).
+    const uint4* xb = xsrc + (u64)(g < T ? g : 0) * tstride;
+    const int ta = 2 * tq, tb = 2 * tq + 1;
+    const uint4* ma = xsrc + (u64)(ta < T ? ta : 0) * tstride + 24;
+    const uint4* mb = xsrc + (u64)(tb < T ? tb : 0) * tstride + 24;
+
+    u32 lt = first_tile, lg = i0 % NG;
+    const u8* pa = w;
+    const u8* pb = w;
+    const u16* sa = (const u16*)(w + soff);
+    const u16* sb = sa;
+    auto bases = [&]() {
+        const u64 na = (u64)lt * 16 + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;  // past N: re-read row N - 1
+        pa = w + ra * rb + (u64)lg * 64 + tq * 16;
+        pb = w + rr * rb + (u64)lg * 64 + tq * 16;
+        sa = (const u16*)(w + soff) + ra * NG + lg;
+        sb = (const u16*)(w + soff) + rr * NG + lg;
+    };
+    bases();
+    uint4 ca[QP_P], cb[QP_P];
+    u32 da[QP_P], db[QP_P];
+    u32 issued = i0;
+    auto load = [&](int s) {
+        if (issued < i1) {
+            ca[s] = qm_ld_stream(pa);
+            cb[s] = qm_ld_stream(pb);
+            da[s] = *sa;
+            db[s] = *sb;
+            issued++;
+            if (++lg == NG) {
+                lg = 0;
+                lt++;
+                if (issued < i1) bases();
+            } else {
+                pa += 64;
+                pb += 64;
+                sa += 1;
+                sb += 1;
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < QP_P; s++) load(s);
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 ct = first_tile, cg = i0 % NG;
+    const u32 total = i1 - i0;
+    for (u32 j0 = 0; j0 < total; j0 += QP_P) {
+#pragma unroll
+        for (int s = 0; s < QP_P; s++) {
+            if (j0 + s >= total) break;
+            const uint4 va4 = ca[s], vb4 = cb[s];
+            const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
+            load(s);  // refill this stage with the item QP_P further on
+            const uint4* xg = xb + (u64)cg * QI_U4;
+            int c2[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0}, c0[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int wd = 0; wd < 4; wd++) {
+                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+                const uint4 p21 = xg[wd * 4 + tq];
+                const uint2 p0 = ((const uint2*)(xg + 16))[wd * 4 + tq];
+                const u32 a0 = va & 0x0f0f0f0fu, a1 = vb & 0x0f0f0f0fu;
+                const u32 a2 = (va >> 4) & 0x0f0f0f0fu, a3 = (vb >> 4) & 0x0f0f0f0fu;
+                qi_mma(c2, a0, a1, a2, a3, p21.x, p21.y);
+                qi_mma(c1, a0, a1, a2, a3, p21.z, p21.w);
+                qi_mma(c0, a0, a1, a2, a3, p0.x, p0.y);
+            }
+            const uint4 m0 = ma[(u64)cg * QI_U4];
+            const float xa = __uint_as_float(m0.x);
+            acc[0] = fmaf(qi_value(c2, c1, c0, 0, m0), __fmul_rn(xa, qa), acc[0]);
+            acc[2] = fmaf(qi_value(c2, c1, c0, 2, m0), __fmul_rn(xa, qb), acc[2]);
+            if (ODD) {
+                const uint4 m1 = mb[(u64)cg * QI_U4];
+                const float xb1 = __uint_as_float(m1.x);
+                acc[1] = fmaf(qi_value(c2, c1, c0, 1, m1), __fmul_rn(xb1, qa), acc[1]);
+                acc[3] = fmaf(qi_value(c2, c1, c0, 3, m1), __fmul_rn(xb1, qb), acc[3]);
+            }
+            const bool range_end = j0 + s + 1 == total;
+            if (++cg == NG || range_end) {
+                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
+                cg = 0;
+                ct++;
+            }
+        }
+    }
+}
+
+// Builds: every T (`gemv_q4i8p`) and T = 1 only (`gemv_q4i8p1`, even columns), x read from global
+// memory or staged (`_xs`); 2 blocks of 8 warps per SM, 4-stage ring.
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p(Q4MMAP_ARGS) {
+    q4i8p_body<false, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1(Q4MMAP_ARGS) {
+    q4i8p_body<false, 4, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, false>(Q4MMAP_PASS);
 }

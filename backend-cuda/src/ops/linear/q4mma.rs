@@ -10,11 +10,11 @@ use crate::launch::args;
 use crate::{CudaBackend, CudaTensor};
 use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
 /// Environment variable choosing the q4_g128 decode GEMV: `auto` (or unset) picks per weight shape
-/// ([`Q4Gemv::Auto`]); `mmap` takes the tensor-core kernel ([`super::q4mmap`]) wherever the shape
-/// allows, `simt` the SIMT kernels.
+/// ([`Q4Gemv::Auto`]); `mmap` takes the split-bf16 tensor-core kernel ([`super::q4mmap`]) wherever
+/// the shape allows, `i8` the integer tensor-core kernel, `simt` the SIMT kernels.
 pub const Q4_GEMV_ENV: &str = "KVSTREAM_Q4_GEMV";
 
 /// Values per scale group of q4_g128.
@@ -29,13 +29,16 @@ pub enum Q4Gemv {
     /// Tensor cores (mma.m16n8k16, split-bf16 x, exact codes, f32 accumulation) in the persistent
     /// stream-K kernel (`gemv_q4mmap*`, see [`super::q4mmap`]).
     MmaPersistent,
+    /// Tensor cores on integers (mma.m16n8k32.u8.s8: the stored nibbles times x rounded per
+    /// 128-group to 24 bits and split into three bytes, exact int32 sums) in the same persistent
+    /// stream-K kernel (`gemv_q4i8p*`, see [`super::q4mmap`]).
+    Int8,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
-    /// Per weight shape (never per T, so rows of a verification call still equal single steps):
-    /// the persistent tensor-core kernel for weights of at least [`AUTO_MMAP_MIN_ROWS`] rows
-    /// (MLP gate/up, lm_head: on the H200 as fast as SIMT or faster at T = 1 and 2× faster at
-    /// T = 4), the SIMT kernels below (down projection and the narrower weights, where SIMT wins
-    /// at T = 1). The default.
+    /// The integer tensor-core kernel wherever its plan exists (K a multiple of 128, aligned
+    /// codes, at least 8 warps of work), the SIMT kernels elsewhere: on the H200 it is the
+    /// fastest path on every 27B shape at T = 4 (MTP verification) and at T = 1 within 2% of the
+    /// best or faster (docs/benchmarks.md, session 6). The default.
     Auto,
 }
 
@@ -43,8 +46,9 @@ pub enum Q4Gemv {
 #[derive(Debug)]
 pub(crate) struct Q4GemvState {
     path: AtomicU8,
-    /// Whether `gemv_q4mmap_xs` may already take its largest dynamic shared memory.
-    pub(crate) xs_reserved: AtomicBool,
+    /// Bit i set: the i-th staged (`_xs`) persistent kernel (`super::q4mmap::STAGED_KERNELS`)
+    /// may already take its largest dynamic shared memory.
+    pub(crate) xs_reserved: AtomicU32,
     /// The persistent kernel's fix-up buffers.
     pub(crate) buffers: std::sync::Mutex<super::q4mmap::MmapBuffers>,
 }
@@ -53,20 +57,18 @@ impl Q4GemvState {
     pub(crate) fn from_env() -> Self {
         Self {
             path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
-            xs_reserved: AtomicBool::new(false),
+            xs_reserved: AtomicU32::new(0),
             buffers: std::sync::Mutex::new(super::q4mmap::MmapBuffers::default()),
         }
     }
 }
-
-/// Fewest output rows for which [`Q4Gemv::Auto`] takes the persistent tensor-core kernel.
-pub const AUTO_MMAP_MIN_ROWS: usize = 16_384;
 
 /// The path an environment value selects (unset or unknown: [`Q4Gemv::Auto`]).
 fn selects(v: Option<&str>) -> Q4Gemv {
     match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
         Some("mmap") => Q4Gemv::MmaPersistent,
         Some("simt") => Q4Gemv::Simt,
+        Some("i8") => Q4Gemv::Int8,
         _ => Q4Gemv::Auto,
     }
 }
@@ -76,6 +78,7 @@ fn code(p: Q4Gemv) -> u8 {
         Q4Gemv::Simt => 0,
         Q4Gemv::MmaPersistent => 1,
         Q4Gemv::Auto => 2,
+        Q4Gemv::Int8 => 3,
     }
 }
 
@@ -83,16 +86,18 @@ fn from_code(c: u8) -> Q4Gemv {
     match c {
         0 => Q4Gemv::Simt,
         1 => Q4Gemv::MmaPersistent,
+        3 => Q4Gemv::Int8,
         _ => Q4Gemv::Auto,
     }
 }
 
 impl Q4Gemv {
-    /// The kernel family this path runs for a weight of `n` output rows (Auto resolved).
-    pub fn for_rows(self, n: usize) -> Q4Gemv {
+    /// The kernel family this path tries first (Auto resolved; every tensor-core path falls back
+    /// to SIMT where its plan does not exist). A function of the path alone, never of T or of the
+    /// weight's shape beyond that plan.
+    pub fn resolved(self) -> Q4Gemv {
         match self {
-            Q4Gemv::Auto if n >= AUTO_MMAP_MIN_ROWS => Q4Gemv::MmaPersistent,
-            Q4Gemv::Auto => Q4Gemv::Simt,
+            Q4Gemv::Auto => Q4Gemv::Int8,
             p => p,
         }
     }
@@ -136,6 +141,37 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// x rounded per (token, 128-group) to 24-bit integers split into three signed bytes, in the
+    /// integer MMA fragment order (`gemv_q4i8_xprep`): 400 bytes per group and token.
+    pub(crate) fn q4_i8_xprep(
+        &self,
+        x: &CudaTensor,
+        t: usize,
+        k: usize,
+    ) -> Result<CudaTensor, OpError> {
+        let groups = t * (k / 128);
+        let xf = self.tensor_uninit(&[groups, I8_XPREP_BYTES_PER_GROUP / 4])?;
+        // One warp per (token, group).
+        let blocks = u32::try_from((groups as u64 * 32).div_ceil(XPREP_THREADS as u64))
+            .map_err(|_| OpError::shape("matmul", format!("{t} x {k} activations is too many")))?;
+        let (xp, xfp) = (x.ptr(), xf.ptr());
+        let (t32, k64) = (t as i32, k as u64);
+        let f = self.func("gemv_q4i8_xprep")?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (XPREP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut a = args![&xp, &xfp, &t32, &k64];
+        self.launch("gemv", f, cfg, &mut a)?;
+        Ok(xf)
+    }
+}
+
+/// Bytes `gemv_q4i8_xprep` writes per (token, 128-group): 25 uint4 (`QI_U4`).
+pub(crate) const I8_XPREP_BYTES_PER_GROUP: usize = 25 * 16;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,22 +186,22 @@ mod tests {
         assert_eq!(selects(Some("")), Q4Gemv::Auto);
         assert_eq!(selects(Some("tensor")), Q4Gemv::Auto);
         assert_eq!(selects(None), Q4Gemv::Auto);
-        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Auto] {
+        assert_eq!(selects(Some("I8")), Q4Gemv::Int8);
+        for p in [
+            Q4Gemv::Simt,
+            Q4Gemv::MmaPersistent,
+            Q4Gemv::Auto,
+            Q4Gemv::Int8,
+        ] {
             assert_eq!(from_code(code(p)), p);
         }
     }
 
     #[test]
-    fn auto_depends_on_the_rows_only() {
-        // The 27B shapes: MLP gate/up (17,408 rows) and lm_head on tensor cores; down projection
-        // (5,120 rows) and 12,288-row weights on SIMT.
-        assert_eq!(Q4Gemv::Auto.for_rows(17_408), Q4Gemv::MmaPersistent);
-        assert_eq!(Q4Gemv::Auto.for_rows(248_320), Q4Gemv::MmaPersistent);
-        assert_eq!(Q4Gemv::Auto.for_rows(5_120), Q4Gemv::Simt);
-        assert_eq!(Q4Gemv::Auto.for_rows(12_288), Q4Gemv::Simt);
-        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent] {
-            assert_eq!(p.for_rows(7), p);
-            assert_eq!(p.for_rows(1 << 20), p);
+    fn auto_resolves_to_the_integer_kernel() {
+        assert_eq!(Q4Gemv::Auto.resolved(), Q4Gemv::Int8);
+        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Int8] {
+            assert_eq!(p.resolved(), p);
         }
     }
 
@@ -206,5 +242,78 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&c| c == 1));
+    }
+
+    /// Mirrors `gemv_q4i8_xprep` and the integer kernel's fragments for one 128-group: xprep lane
+    /// l holds k = 4l .. 4l + 3 and sends value i to (tq = l / 8, wd = (l / 2) % 4) byte
+    /// j = 2·(l % 2) + i / 2 of b0 (even i) or b1 (odd i); the kernel's lane (g, tq) at step wd
+    /// puts nibble 2j of its word wd (code k = 32·tq + 8·wd + 2j) in a0 byte j and nibble 2j + 1
+    /// in a2 byte j, which meet b0 / b1 byte j of the same tq in the MMA. Every code meets its own
+    /// x exactly once.
+    #[test]
+    fn integer_fragments_pair_each_code_with_its_x_once() {
+        let mut x_at = std::collections::HashMap::new();
+        for lane in 0..32usize {
+            for i in 0..4usize {
+                let (tq, wd) = (lane / 8, (lane / 2) % 4);
+                let j = 2 * (lane % 2) + i / 2;
+                let reg = i % 2; // 0: b0, 1: b1
+                assert!(x_at.insert((tq, wd, reg, j), 4 * lane + i).is_none());
+            }
+        }
+        let mut seen = [0u8; GROUP];
+        for tq in 0..4 {
+            for wd in 0..4 {
+                for j in 0..4 {
+                    for (reg, nibble) in [(0usize, 2 * j), (1, 2 * j + 1)] {
+                        let code_k = 32 * tq + 8 * wd + nibble;
+                        assert_eq!(x_at[&(tq, wd, reg, j)], code_k, "tq {tq} wd {wd} j {j}");
+                        seen[code_k] += 1;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+    }
+
+    /// Host mirror of xprep's exact three-byte split and of the kernel's recombination: for every
+    /// X in range, X = 65536·x2 + 256·x1 + x0 with bytes in [-127, 127], and Σ (u − 8)·X equals
+    /// 65536·(C2 − 8·S2) + (256·C1 + C0 − 8·S10) without overflowing i32 at the extremes.
+    #[test]
+    fn integer_split_is_exact_and_the_recombination_fits_i32() {
+        const M: i32 = 0x7f7f7f;
+        let split = |x: i32| {
+            let x0 = (x & 0xff) as u8 as i8 as i32;
+            let r = (x - x0) >> 8;
+            let x1 = (r & 0xff) as u8 as i8 as i32;
+            let x2 = (r - x1) >> 8;
+            (x0, x1, x2)
+        };
+        for x in (-M..=M)
+            .step_by(9973)
+            .chain([-M, M, 0, -1, 1, 127, 128, -128, -129])
+        {
+            let (x0, x1, x2) = split(x);
+            assert_eq!(65536 * x2 + 256 * x1 + x0, x, "{x}");
+            for b in [x0, x1, x2] {
+                assert!((-128..=127).contains(&b), "{x}: byte {b}");
+            }
+        }
+        // Worst case for the brackets: every code 15 or 0 against every X = ±M.
+        for (u, x) in [(15i64, M), (0, M), (15, -M), (0, -M)] {
+            let (x0, x1, x2) = split(x);
+            let (c2, c1, c0) = (
+                128 * u * x2 as i64,
+                128 * u * x1 as i64,
+                128 * u * x0 as i64,
+            );
+            let (s2, s10) = (128 * x2 as i64, 128 * (256 * x1 + x0) as i64);
+            let hi = c2 - 8 * s2;
+            let lo = 256 * c1 + c0 - 8 * s10;
+            for v in [c2, c1, c0, hi, lo, 8 * s2, 8 * s10, 256 * c1 + c0] {
+                assert!(v.abs() < i32::MAX as i64, "u {u} x {x}: {v}");
+            }
+            assert_eq!(65536 * hi + lo, 128 * (u - 8) * x as i64);
+        }
     }
 }

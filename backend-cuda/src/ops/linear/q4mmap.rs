@@ -25,7 +25,47 @@ const GROUP: usize = 128;
 /// registers) instead of the 2-blocks-per-SM one (4-stage ring, 128 registers).
 pub const MMAP_OCC_ENV: &str = "KVSTREAM_Q4_MMAP_OCC";
 
-/// Blocks per SM of the build in use (`__launch_bounds__(256, 2)` or `(256, 3)`).
+/// Which arithmetic the persistent kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MmapKind {
+    /// x as split bf16 (hi + lo), codes as exact bf16, mma.m16n8k16 (`gemv_q4mmap*`).
+    SplitBf16,
+    /// x as 24-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
+    Int8,
+}
+
+/// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
+pub(crate) const STAGED_KERNELS: [&str; 4] = [
+    "gemv_q4mmap_xs",
+    "gemv_q4mmap3_xs",
+    "gemv_q4i8p_xs",
+    "gemv_q4i8p1_xs",
+];
+
+/// The kernel for `kind`, `t` tokens, `per_sm` blocks per SM and x staged or not.
+fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'static str {
+    match (kind, per_sm, t, staged) {
+        (MmapKind::SplitBf16, 3, _, true) => "gemv_q4mmap3_xs",
+        (MmapKind::SplitBf16, 3, _, false) => "gemv_q4mmap3",
+        (MmapKind::SplitBf16, _, _, true) => "gemv_q4mmap_xs",
+        (MmapKind::SplitBf16, _, _, false) => "gemv_q4mmap",
+        (MmapKind::Int8, _, 1, true) => "gemv_q4i8p1_xs",
+        (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
+        (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xs",
+        (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
+    }
+}
+
+/// Blocks per SM of the build in use (`__launch_bounds__(256, 2)` or `(256, 3)`); the integer
+/// kernel has one build (2).
+fn blocks_per_sm_of(kind: MmapKind) -> usize {
+    match kind {
+        MmapKind::SplitBf16 => blocks_per_sm(),
+        MmapKind::Int8 => 2,
+    }
+}
+
+/// Blocks per SM of the split-bf16 build in use (`__launch_bounds__(256, 2)` or `(256, 3)`).
 fn blocks_per_sm() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
@@ -110,11 +150,21 @@ fn staged_limit(max_smem_optin: usize, per_sm: usize) -> usize {
         .min(max_smem_optin.saturating_sub(STATIC_SHARED_BYTES))
 }
 
-/// Bytes of x fragments `_xs` stages in shared memory for `t` tokens of `k` values (4 bytes per
-/// value and one 16-byte pad per token), when `per_sm` blocks per SM still fit (else the plain
-/// kernel reads x from global memory).
-fn staged_x_bytes(t: usize, k: usize, max_smem_optin: usize, per_sm: usize) -> Option<usize> {
-    let bytes = t * (k * 4 + 16);
+/// Bytes of x fragments `_xs` stages in shared memory for `t` tokens of `k` values (split bf16: 4
+/// bytes per value; integer: 400 bytes per 128-group; plus one 16-byte pad per token), when
+/// `per_sm` blocks per SM still fit (else the plain kernel reads x from global memory).
+fn staged_x_bytes(
+    kind: MmapKind,
+    t: usize,
+    k: usize,
+    max_smem_optin: usize,
+    per_sm: usize,
+) -> Option<usize> {
+    let per_token = match kind {
+        MmapKind::SplitBf16 => k * 4,
+        MmapKind::Int8 => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
+    };
+    let bytes = t * (per_token + 16);
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
 }
 
@@ -158,17 +208,19 @@ impl CudaBackend {
     /// The plan for a q4_g128 weight on this device (the build in use decides the grid).
     pub(crate) fn q4_mmap_plan(
         &self,
+        kind: MmapKind,
         n: usize,
         k: usize,
         w_ptr: u64,
         soff: u64,
     ) -> Option<Q4MmapPlan> {
-        q4_mmap_plan(n, k, w_ptr, soff, self.sm_count, blocks_per_sm())
+        q4_mmap_plan(n, k, w_ptr, soff, self.sm_count, blocks_per_sm_of(kind))
     }
 
     pub(crate) fn gemv_q4_mmap(
         &self,
         plan: Q4MmapPlan,
+        kind: MmapKind,
         x: &CudaTensor,
         w_ptr: u64,
         soff: u64,
@@ -179,27 +231,31 @@ impl CudaBackend {
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
         let (scratch, counters) = self.mmap_buffers(plan)?;
-        let xf = self.q4_mma_xprep(x, t, k)?;
-        let per_sm = blocks_per_sm();
-        let staged = staged_x_bytes(t, k, self.max_smem_optin, per_sm);
-        let (name, smem) = match (staged, per_sm) {
-            (Some(b), 3) => ("gemv_q4mmap3_xs", b),
-            (None, 3) => ("gemv_q4mmap3", 0),
-            (Some(b), _) => ("gemv_q4mmap_xs", b),
-            (None, _) => ("gemv_q4mmap", 0),
+        let xf = match kind {
+            MmapKind::SplitBf16 => self.q4_mma_xprep(x, t, k)?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k)?,
         };
+        let per_sm = blocks_per_sm_of(kind);
+        let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
+        let name = kernel_name(kind, t, per_sm, staged.is_some());
+        let smem = staged.unwrap_or(0);
         let f = self.func(name)?;
-        // Static + dynamic shared memory beyond 48 KiB needs the opt-in, once for the largest size.
-        if smem > 0 && !self.q4_gemv.xs_reserved.load(Ordering::Relaxed) {
+        // Static + dynamic shared memory beyond 48 KiB needs the opt-in, once per kernel for the
+        // largest size.
+        let bit = STAGED_KERNELS
+            .iter()
+            .position(|&s| s == name)
+            .map_or(0, |i| 1u32 << i);
+        if smem > 0 && self.q4_gemv.xs_reserved.load(Ordering::Relaxed) & bit == 0 {
             let bytes = staged_limit(self.max_smem_optin, per_sm);
             allow_dynamic_smem(f, bytes).map_err(|r| {
                 OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
                     "cuda",
-                    "gemv_q4mmap_xs",
+                    name,
                     format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
                 ))
             })?;
-            self.q4_gemv.xs_reserved.store(true, Ordering::Relaxed);
+            self.q4_gemv.xs_reserved.fetch_or(bit, Ordering::Relaxed);
         }
         let cfg = LaunchConfig {
             grid_dim: (plan.blocks, 1, 1),
@@ -296,18 +352,67 @@ mod tests {
     #[test]
     fn x_is_staged_only_when_the_blocks_still_fit() {
         let optin = 227 * 1024;
-        assert_eq!(staged_x_bytes(1, 5120, optin, 2), Some(20_496));
-        assert_eq!(staged_x_bytes(1, 17408, optin, 2), Some(69_648));
-        assert_eq!(staged_x_bytes(4, 5120, optin, 2), Some(81_984));
-        assert_eq!(staged_x_bytes(8, 5120, optin, 2), None);
-        assert_eq!(staged_x_bytes(4, 17408, optin, 2), None);
-        assert_eq!(staged_x_bytes(1, 17408, 48 * 1024, 2), None);
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 1, 5120, optin, 2),
+            Some(20_496)
+        );
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 1, 17408, optin, 2),
+            Some(69_648)
+        );
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 4, 5120, optin, 2),
+            Some(81_984)
+        );
+        assert_eq!(staged_x_bytes(MmapKind::SplitBf16, 8, 5120, optin, 2), None);
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 4, 17408, optin, 2),
+            None
+        );
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 1, 17408, 48 * 1024, 2),
+            None
+        );
         // Three blocks per SM: 75 KiB at most.
-        assert_eq!(staged_x_bytes(1, 5120, optin, 3), Some(20_496));
-        assert_eq!(staged_x_bytes(1, 17408, optin, 3), Some(69_648));
-        assert_eq!(staged_x_bytes(2, 17408, optin, 3), None);
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 1, 5120, optin, 3),
+            Some(20_496)
+        );
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 1, 17408, optin, 3),
+            Some(69_648)
+        );
+        assert_eq!(
+            staged_x_bytes(MmapKind::SplitBf16, 2, 17408, optin, 3),
+            None
+        );
         for per_sm in [2, 3] {
             assert!(staged_limit(optin, per_sm) + STATIC_SHARED_BYTES <= SM_SHARED_BYTES / per_sm);
         }
+        // Integer x: 400 bytes per group (+16 per token): T = 1 fits at every 27B shape, T = 2
+        // fits at K = 5120 only.
+        let i8 = |t, k| staged_x_bytes(MmapKind::Int8, t, k, optin, 2);
+        assert_eq!(i8(1, 5120), Some(16_016));
+        assert_eq!(i8(1, 17408), Some(54_416));
+        assert_eq!(i8(2, 17408), Some(108_832));
+        assert_eq!(i8(4, 5120), Some(64_064));
+        assert_eq!(i8(8, 17408), None);
+    }
+
+    #[test]
+    fn every_staged_kernel_has_a_reservation_bit_and_names_match_the_build() {
+        for kind in [MmapKind::SplitBf16, MmapKind::Int8] {
+            for t in 1..=8 {
+                for per_sm in [2, 3] {
+                    let staged = kernel_name(kind, t, per_sm, true);
+                    assert!(STAGED_KERNELS.contains(&staged), "{staged}");
+                    let plain = kernel_name(kind, t, per_sm, false);
+                    assert_eq!(format!("{plain}_xs"), staged);
+                }
+            }
+        }
+        assert_eq!(kernel_name(MmapKind::Int8, 1, 2, false), "gemv_q4i8p1");
+        assert_eq!(kernel_name(MmapKind::Int8, 2, 2, false), "gemv_q4i8p");
+        assert!(STAGED_KERNELS.len() <= 32);
     }
 }
