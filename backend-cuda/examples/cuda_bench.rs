@@ -311,6 +311,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
                 &[
                     Some(Q4Gemv::Int8),
+                    Some(Q4Gemv::Int8Ring),
                     Some(Q4Gemv::MmaPersistent),
                     Some(Q4Gemv::Simt),
                 ]
@@ -325,6 +326,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                     Some(Q4Gemv::MmaPersistent) => " (mmap)",
                     Some(Q4Gemv::Simt) => " (simt)",
                     Some(Q4Gemv::Int8) => " (i8)",
+                    Some(Q4Gemv::Int8Ring) => " (i8c)",
                     Some(Q4Gemv::Auto) => " (auto)",
                     None => "",
                 };

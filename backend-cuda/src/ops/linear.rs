@@ -152,6 +152,7 @@ impl LinearOps for CudaBackend {
                 let kind = match self.q4_gemv().resolved() {
                     q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
                     q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
+                    q4mma::Q4Gemv::Int8Ring => Some(q4mmap::MmapKind::Int8Ring),
                     q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
                 };
                 if let Some(kind) = kind {

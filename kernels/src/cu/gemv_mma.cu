@@ -523,3 +523,174 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1(Q4MMA
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1_xs(Q4MMAP_ARGS) {
     q4i8p_body<true, 4, false>(Q4MMAP_PASS);
 }
+
+// ------------------------------------------------------------------------------------------------
+// `gemv_q4i8c*`: the integer kernel with the weight stream in a shared-memory cp.async ring
+// instead of registers (ncu on the H200: the register ring's kernel stalls on its code loads,
+// "long scoreboard", a third of its cycles at 16 warps per SM, and the ring holds only 4 items per
+// warp). Here each lane copies its 2 × 16 code bytes and the two 4-byte words holding its rows'
+// scales of item j + NSTG − 1 into stage (j + NSTG − 1) % NSTG while it computes item j; it reads
+// back only what it copied itself, so cp.async.wait_group orders everything (no barrier). Same
+// items, same fragments, same arithmetic per output as `gemv_q4i8p*` (bit-identical results).
+// Dynamic shared memory: codes [QM_WARPS][NSTG][2][32] uint4, scale words [QM_WARPS][NSTG][2][32]
+// u32, then (XS) the x fragments as in `q4i8p_body`.
+__device__ __forceinline__ u32 qc_smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+template <bool XS, int NSTG, bool ODD>
+__device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
+                                           float* __restrict__ scratch, u32* __restrict__ counters) {
+    extern __shared__ __align__(16) uint4 qc_smem[];
+    uint4* cring = qc_smem;
+    u32* sring = (u32*)(qc_smem + QM_WARPS * NSTG * 64);
+    uint4* xstage = qc_smem + QM_WARPS * NSTG * 80;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const u32 NG = (u32)(K / 128);
+    const u64 rb = K / 2;
+    const u32 tiles = (u32)((N + 15) / 16);
+    const u32 W = gridDim.x * QM_WARPS;
+    const u32 gw = blockIdx.x * QM_WARPS + warp;
+    const u32 work = tiles * NG;
+    const u32 per = NG * QI_U4;
+    const u32 tstride = XS ? per + 1u : per;
+    if (XS) {
+        const u32 n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) xstage[(i / per) * tstride + i % per] = xf[i];
+        __syncthreads();
+    }
+    const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
+    if (i0 >= i1) return;
+    const u32 first_tile = i0 / NG;
+    const uint4* xsrc = XS ? (const uint4*)xstage : xf;
+    const uint4* xb = xsrc + (u64)(g < T ? g : 0) * tstride;
+    const int ta = 2 * tq, tb = 2 * tq + 1;
+    const uint4* ma = xsrc + (u64)(ta < T ? ta : 0) * tstride + 24;
+    const uint4* mb = xsrc + (u64)(tb < T ? tb : 0) * tstride + 24;
+    const uint4* my_codes = cring + (u32)warp * NSTG * 64 + lane;  // + (st·2 + h)·32
+    const u32* my_scales = sring + (u32)warp * NSTG * 64 + lane;   // + (st·2 + h)·32
+    const u32 cbase = qc_smem_addr(my_codes), sbase = qc_smem_addr(my_scales);
+
+    // Issue cursor: tile lt, group lg; code pointers of rows g and g + 8, their scales' bytes.
+    u32 lt = first_tile, lg = i0 % NG;
+    const u8* pa = w;
+    const u8* pb = w;
+    const u8* sa = w;
+    const u8* sb = w;
+    auto bases = [&]() {
+        const u64 na = (u64)lt * 16 + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;  // past N: re-read row N - 1
+        pa = w + ra * rb + (u64)lg * 64 + tq * 16;
+        pb = w + rr * rb + (u64)lg * 64 + tq * 16;
+        sa = w + soff + (ra * NG + lg) * 2;
+        sb = w + soff + (rr * NG + lg) * 2;
+    };
+    bases();
+    u32 issued = i0;
+    int ist = 0;
+    auto issue = [&]() {
+        if (issued < i1) {
+            const u32 d = cbase + (u32)ist * 1024u, e = sbase + (u32)ist * 256u;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(pa) : "memory");
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 512u), "l"(pb) : "memory");
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(e), "l"((const u8*)((u64)sa & ~3ull)) : "memory");
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(e + 128u), "l"((const u8*)((u64)sb & ~3ull)) : "memory");
+            issued++;
+            if (++lg == NG) {
+                lg = 0;
+                lt++;
+                if (issued < i1) bases();
+            } else {
+                pa += 64;
+                pb += 64;
+                sa += 2;
+                sb += 2;
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        ist = ist + 1 == NSTG ? 0 : ist + 1;
+    };
+#pragma unroll
+    for (int s = 0; s < NSTG - 1; s++) issue();
+
+    // Scale half of the consumed item: byte soff + 2·(row·NG + cg) lies in the upper half of its
+    // word when (soff/2 + row·NG + cg) is odd.
+    u32 ct = first_tile, cg = i0 % NG;
+    u32 par_a = 0, par_b = 0;
+    auto parities = [&]() {
+        const u64 na = (u64)ct * 16 + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;
+        par_a = (u32)((soff / 2 + ra * NG) & 1);
+        par_b = (u32)((soff / 2 + rr * NG) & 1);
+    };
+    parities();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const u32 total = i1 - i0;
+    int st = 0;
+    for (u32 j = 0; j < total; j++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(NSTG - 2) : "memory");
+        const uint4 va4 = my_codes[(u32)st * 64], vb4 = my_codes[(u32)st * 64 + 32];
+        const u32 swa = my_scales[(u32)st * 64], swb = my_scales[(u32)st * 64 + 32];
+        issue();  // refills the stage read one item ago
+        st = st + 1 == NSTG ? 0 : st + 1;
+        const u32 odd = cg & 1;
+        const float qa = f16_to_f32((u16)((par_a ^ odd) ? (swa >> 16) : (swa & 0xffffu)));
+        const float qb = f16_to_f32((u16)((par_b ^ odd) ? (swb >> 16) : (swb & 0xffffu)));
+        const uint4* xg = xb + (u64)cg * QI_U4;
+        int c2[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0}, c0[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int wd = 0; wd < 4; wd++) {
+            const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+            const uint4 p21 = xg[wd * 4 + tq];
+            const uint2 p0 = ((const uint2*)(xg + 16))[wd * 4 + tq];
+            const u32 a0 = va & 0x0f0f0f0fu, a1 = vb & 0x0f0f0f0fu;
+            const u32 a2 = (va >> 4) & 0x0f0f0f0fu, a3 = (vb >> 4) & 0x0f0f0f0fu;
+            qi_mma(c2, a0, a1, a2, a3, p21.x, p21.y);
+            qi_mma(c1, a0, a1, a2, a3, p21.z, p21.w);
+            qi_mma(c0, a0, a1, a2, a3, p0.x, p0.y);
+        }
+        const uint4 m0 = ma[(u64)cg * QI_U4];
+        const float xa = __uint_as_float(m0.x);
+        acc[0] = fmaf(qi_value(c2, c1, c0, 0, m0), __fmul_rn(xa, qa), acc[0]);
+        acc[2] = fmaf(qi_value(c2, c1, c0, 2, m0), __fmul_rn(xa, qb), acc[2]);
+        if (ODD) {
+            const uint4 m1 = mb[(u64)cg * QI_U4];
+            const float xb1 = __uint_as_float(m1.x);
+            acc[1] = fmaf(qi_value(c2, c1, c0, 1, m1), __fmul_rn(xb1, qa), acc[1]);
+            acc[3] = fmaf(qi_value(c2, c1, c0, 3, m1), __fmul_rn(xb1, qb), acc[3]);
+        }
+        if (++cg == NG || j + 1 == total) {
+            qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
+            cg = 0;
+            ct++;
+            parities();
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// 2 blocks of 8 warps per SM; NSTG = 5 stages (50 KiB of ring per block, x staged after it).
+#define QC_NSTG 5
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c(Q4MMAP_ARGS) {
+    q4i8c_body<false, QC_NSTG, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, QC_NSTG, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1(Q4MMAP_ARGS) {
+    q4i8c_body<false, QC_NSTG, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, QC_NSTG, false>(Q4MMAP_PASS);
+}
+// T = 1 with 3 blocks per SM and a 4-stage ring (A/B: KVSTREAM_Q4_I8C_OCC=3).
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4i8c1_o3(Q4MMAP_ARGS) {
+    q4i8c_body<false, 4, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4i8c1_o3_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, false>(Q4MMAP_PASS);
+}
