@@ -45,8 +45,6 @@ pub(crate) struct Q4GemvState {
     path: AtomicU8,
     /// Whether `gemv_q4mmap_xs` may already take its largest dynamic shared memory.
     pub(crate) xs_reserved: AtomicBool,
-    /// The persistent kernel's fix-up buffers.
-    pub(crate) buffers: std::sync::Mutex<super::q4mmap::MmapBuffers>,
 }
 
 impl Q4GemvState {
@@ -54,7 +52,6 @@ impl Q4GemvState {
         Self {
             path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
             xs_reserved: AtomicBool::new(false),
-            buffers: std::sync::Mutex::new(super::q4mmap::MmapBuffers::default()),
         }
     }
 }
