@@ -165,7 +165,16 @@ impl LinearOps for CudaBackend {
             }
             let t32 = t as i32;
             let too_big = || OpError::shape("matmul", format!("{n} output rows is too many"));
-            let plan = gemv_plan(w.dtype, dt as usize, t, n, k, wp, self.sm_count, self.gemv_sk());
+            let plan = gemv_plan(
+                w.dtype,
+                dt as usize,
+                t,
+                n,
+                k,
+                wp,
+                self.sm_count,
+                self.gemv_sk(),
+            );
             match plan.ok_or_else(too_big)? {
                 GemvPlan::Vector {
                     name,
@@ -243,7 +252,16 @@ impl CudaBackend {
             return "gemv_q4mmap";
         }
         let code = dtype_code(w.dtype) as usize;
-        match gemv_plan(w.dtype, code, t, n, k, w.ptr(), self.sm_count, self.gemv_sk()) {
+        match gemv_plan(
+            w.dtype,
+            code,
+            t,
+            n,
+            k,
+            w.ptr(),
+            self.sm_count,
+            self.gemv_sk(),
+        ) {
             Some(GemvPlan::Vector { name, .. } | GemvPlan::StreamK { name, .. }) => name,
             Some(GemvPlan::Scalar { .. }) => "gemv_scalar",
             None => "none",

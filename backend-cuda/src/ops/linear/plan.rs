@@ -195,7 +195,8 @@ mod tests {
         for d in ALL {
             let code = dtype_code(d) as usize;
             for t in 1..=8 {
-                let Some(GemvPlan::Vector { name, .. }) = gemv_plan(d, code, t, 64, 1024, 256, 132, GemvSk::Off)
+                let Some(GemvPlan::Vector { name, .. }) =
+                    gemv_plan(d, code, t, 64, 1024, 256, 132, GemvSk::Off)
                 else {
                     panic!("{d}: expected the vector kernel");
                 };
@@ -349,7 +350,13 @@ mod tests {
                 };
                 assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
                 assert!(name.starts_with("gemv_sk_"), "{name}");
-                let width = if t == 1 { "_t1" } else if t <= 4 { "_t4" } else { "_t8" };
+                let width = if t == 1 {
+                    "_t1"
+                } else if t <= 4 {
+                    "_t4"
+                } else {
+                    "_t8"
+                };
                 assert!(name.ends_with(width), "{d} t={t}: {name}");
                 let g = *grid.get_or_insert(split);
                 assert_eq!(split, g, "{d} t={t}: the split depends on T");

@@ -209,7 +209,10 @@ mod tests {
         let bf = WeightDType::Bf16;
         // 17408 x 5120: 2,176 blocks of 8 rows over 528 slots = 4.12 waves, 18% lost.
         let loss = pipe_tail_loss(bf, 17408, 5120, 132);
-        assert!((loss - (1.0 - 2176.0 / 528.0 / 5.0)).abs() < 1e-12, "{loss}");
+        assert!(
+            (loss - (1.0 - 2176.0 / 528.0 / 5.0)).abs() < 1e-12,
+            "{loss}"
+        );
         let s = use_stream_k(bf, 17408, 5120, 132, GemvSk::Auto).expect("stream-K");
         assert_eq!(
             s,
@@ -233,10 +236,7 @@ mod tests {
         assert!(use_stream_k(bf, 12288, 5120, 132, GemvSk::On).is_some());
         // q4_g128 has no stream-K SIMT instances.
         for m in [GemvSk::Auto, GemvSk::On] {
-            assert_eq!(
-                use_stream_k(WeightDType::Q4G128, 17408, 5120, 132, m),
-                None
-            );
+            assert_eq!(use_stream_k(WeightDType::Q4G128, 17408, 5120, 132, m), None);
         }
     }
 
@@ -335,7 +335,10 @@ mod tests {
                 }
                 assert!(covered.iter().all(|&c| c == 1), "{d} {n}x{k}");
                 for u in 0..s.units {
-                    let (w0, w1) = (owner(u * tr, warps, work), owner(u * tr + tr - 1, warps, work));
+                    let (w0, w1) = (
+                        owner(u * tr, warps, work),
+                        owner(u * tr + tr - 1, warps, work),
+                    );
                     if w0 == w1 {
                         assert_eq!((whole[u], parts[u].len()), (1, 0), "{d} {n}x{k} unit {u}");
                         continue;
@@ -357,6 +360,9 @@ mod tests {
                 }
             }
         }
-        assert!(shared_seen > 1000, "the shapes must share units: {shared_seen}");
+        assert!(
+            shared_seen > 1000,
+            "the shapes must share units: {shared_seen}"
+        );
     }
 }

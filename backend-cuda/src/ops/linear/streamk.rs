@@ -41,10 +41,7 @@ impl CudaBackend {
         scratch_bytes: usize,
         counter_bytes: usize,
     ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
-        let mut b = self
-            .stream_k
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut b = self.stream_k.lock().unwrap_or_else(|e| e.into_inner());
         if b.scratch.as_ref().is_none_or(|s| s.len() < scratch_bytes) {
             b.scratch = Some(self.alloc_owned(scratch_bytes.max(4), "stream-K GEMV scratch")?);
         }
