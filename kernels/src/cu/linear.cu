@@ -663,24 +663,26 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
 #define GEMV_SK_ARGS                                                                                  \
     const float *x, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, float *scratch, u32 *counters
 #define GEMV_SK_PASS x, w, y, T, K, N, soff, scratch, counters
-// Instances: TM = 1, 4, 8 as gemv_pipe's (same per-row results for every TM, see above). Every
-// instance is launched with the same grid (SMs × SK_BLOCKS_PER_SM = 4 blocks, see plan.rs): the
-// T = 1 instances are resident in one wave (4 blocks of 128 threads per SM, ≤ 128 registers);
-// the wider ones hold fewer blocks per SM and run the same grid in more waves.
+// Instances: TM = 1, 4, 8 as gemv_pipe's (same per-row results for every TM and RH, see above).
+// Every instance is launched with the same grid (SMs × 4 blocks, SK_BLOCKS_PER_SM in
+// sk_plan.rs), so the _t1 and _t4 instances are capped at 128 registers (4 blocks of 128 threads
+// per SM: one wave; NVRTC 13 / sm_90: 89–128 registers, no spills; q8_0 and fp8 _t4 hold 4 rows
+// in a 3-stage ring to fit). The _t8 instances keep gemv_pipe's 2 blocks per SM and run the grid
+// in exactly two full waves.
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f32_t1(GEMV_SK_ARGS) { gemv_sk<WT_F32, 1, 8, 2>(GEMV_SK_PASS); }
-extern "C" __launch_bounds__(128, 3) __global__ void gemv_sk_f32_t4(GEMV_SK_ARGS) { gemv_sk<WT_F32, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f32_t4(GEMV_SK_ARGS) { gemv_sk<WT_F32, 4, 8, 2>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f32_t8(GEMV_SK_ARGS) { gemv_sk<WT_F32, 8, 4, 4>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f16_t1(GEMV_SK_ARGS) { gemv_sk<WT_F16, 1, 8, 2>(GEMV_SK_PASS); }
-extern "C" __launch_bounds__(128, 3) __global__ void gemv_sk_f16_t4(GEMV_SK_ARGS) { gemv_sk<WT_F16, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f16_t4(GEMV_SK_ARGS) { gemv_sk<WT_F16, 4, 8, 2>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f16_t8(GEMV_SK_ARGS) { gemv_sk<WT_F16, 8, 4, 4>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_bf16_t1(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 1, 8, 2>(GEMV_SK_PASS); }
-extern "C" __launch_bounds__(128, 3) __global__ void gemv_sk_bf16_t4(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_bf16_t4(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 4, 8, 2>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_bf16_t8(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 8, 4, 4>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_q8_0_t1(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 1, 8, 2>(GEMV_SK_PASS); }
-extern "C" __launch_bounds__(128, 3) __global__ void gemv_sk_q8_0_t4(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_q8_0_t4(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 4, 4, 3>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_q8_0_t8(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 8, 4, 4>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f8e4m3_t1(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 1, 8, 2>(GEMV_SK_PASS); }
-extern "C" __launch_bounds__(128, 3) __global__ void gemv_sk_f8e4m3_t4(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f8e4m3_t4(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 4, 4, 3>(GEMV_SK_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f8e4m3_t8(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 8, 4, 4>(GEMV_SK_PASS); }
 
 // Fallback GEMV for rows that are not 16-byte chunkable (K not a multiple of the chunk): one warp
