@@ -21,8 +21,9 @@ use kvstream_memory_contracts::backend::WeightDType;
 /// unset, [`GemvSk::Auto`]), `on` ([`GemvSk::On`]) or `off` ([`GemvSk::Off`]).
 pub const GEMV_SK_ENV: &str = "KVSTREAM_GEMV_SK";
 
-/// Blocks per SM of the stream-K grid: the `_t1` instances' residency (4 blocks of 128 threads,
-/// ≤ 128 registers). The same grid for every T (the wider instances run it in more waves).
+/// Blocks per SM of the stream-K grid: the `_t1` and `_t4` instances' residency (4 blocks of 128
+/// threads, ≤ 128 registers). The same grid for every T (the `_t8` instances, 2 blocks per SM,
+/// run it in two full waves).
 pub(crate) const SK_BLOCKS_PER_SM: usize = 4;
 /// Rows of one work unit (`SK_R` in linear.cu).
 pub(crate) const SK_UNIT_ROWS: usize = 8;
