@@ -4,7 +4,8 @@
 //!   quantized weight format (q8_0, q4_g128, fp8_e4m3) on the 27B shapes (MLP gate/up, down,
 //!   attention/GDN projections, lm_head), counted in stored bytes (codes + scales) and as a
 //!   percentage of the measured HBM read ceiling (q4_g128 on both the tensor-core and the SIMT
-//!   kernel);
+//!   kernel; the other formats on the default choice and, where that is the stream-K kernel,
+//!   also on gemv_pipe; each row names the kernel that ran);
 //! * prefill GEMM TFLOP/s (bf16, q4_g128; T = 512 and 4096; MLP gate/up and down) on cuBLAS and
 //!   on the SIMT kernel (`KVSTREAM_BENCH_SKIP_GEMM=1` skips);
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
@@ -17,7 +18,7 @@
 //! Usage: `cuda_bench [OUT_DIR]` (default `$OUT` or `.`); writes `cuda_bench.txt` there.
 //! `KVSTREAM_BENCH_ONLY_GDN=1` runs only the gated delta rule section.
 
-use kvstream_backend_cuda::{CudaBackend, PrefillGemm, Q4Gemv};
+use kvstream_backend_cuda::{CudaBackend, GemvSk, PrefillGemm, Q4Gemv};
 use kvstream_memory_contracts::attention::{
     attention_accumulate, attention_begin, attention_finish, AttentionShape,
 };
@@ -258,6 +259,15 @@ fn prefill_gemm(
     Ok(())
 }
 
+/// The GEMV path a benchmark row measures.
+#[derive(Debug, Clone, Copy)]
+enum GemvPath {
+    /// A q4_g128 kernel family.
+    Q4(Q4Gemv),
+    /// The element / 8-bit weights' choice of gemv_pipe or stream-K.
+    Sk(GemvSk),
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let out_dir = std::env::args()
         .nth(1)
@@ -302,33 +312,39 @@ fn main() -> Result<(), Box<dyn Error>> {
         &[(17408, 5120), (5120, 17408), (12288, 5120), (248_320, 5120)]
     };
     let default_q4 = b.q4_gemv();
+    let default_sk = b.gemv_sk();
     for &(n, k) in gemv_shapes {
         for dt in formats {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            // q4_g128: the tensor-core kernels (plain and persistent) and the SIMT one.
-            let paths: &[Option<Q4Gemv>] = if dt == WeightDType::Q4G128 {
-                &[
-                    Some(Q4Gemv::Int8),
-                    Some(Q4Gemv::Int8Ring),
-                    Some(Q4Gemv::MmaPersistent),
-                    Some(Q4Gemv::Simt),
+            // q4_g128: the tensor-core kernels (integer, integer with a cp.async ring, split bf16)
+            // and the SIMT one. The other formats: the default choice, and gemv_pipe as well where
+            // that choice is the stream-K kernel (KVSTREAM_GEMV_SK A/B in one run).
+            let paths: Vec<GemvPath> = if dt == WeightDType::Q4G128 {
+                vec![
+                    GemvPath::Q4(Q4Gemv::Int8),
+                    GemvPath::Q4(Q4Gemv::Int8Ring),
+                    GemvPath::Q4(Q4Gemv::MmaPersistent),
+                    GemvPath::Q4(Q4Gemv::Simt),
                 ]
+            } else if b.matmul_kernel(&wt, 1).starts_with("gemv_sk_") {
+                vec![GemvPath::Sk(default_sk), GemvPath::Sk(GemvSk::Off)]
             } else {
-                &[None]
+                vec![GemvPath::Sk(default_sk)]
             };
-            for &path in paths {
-                if let Some(p) = path {
-                    b.set_q4_gemv(p);
+            for path in paths {
+                match path {
+                    GemvPath::Q4(p) => b.set_q4_gemv(p),
+                    GemvPath::Sk(m) => b.set_gemv_sk(m),
                 }
                 let tag = match path {
-                    Some(Q4Gemv::MmaPersistent) => " (mmap)",
-                    Some(Q4Gemv::Simt) => " (simt)",
-                    Some(Q4Gemv::Int8) => " (i8)",
-                    Some(Q4Gemv::Int8Ring) => " (i8c)",
-                    Some(Q4Gemv::Auto) => " (auto)",
-                    None => "",
+                    GemvPath::Q4(Q4Gemv::MmaPersistent) => " (mmap)",
+                    GemvPath::Q4(Q4Gemv::Simt) => " (simt)",
+                    GemvPath::Q4(Q4Gemv::Int8) => " (i8)",
+                    GemvPath::Q4(Q4Gemv::Int8Ring) => " (i8c)",
+                    GemvPath::Q4(Q4Gemv::Auto) => " (auto)",
+                    GemvPath::Sk(_) => "",
                 };
                 for t in [1usize, 4] {
                     let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -346,15 +362,17 @@ fn main() -> Result<(), Box<dyn Error>> {
                     out!(
                         report,
                         "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read); \
-                         graph {:>8.1} us, {ggbs:>5.0} GB/s ({:>3.0}%){tag}",
+                         graph {:>8.1} us, {ggbs:>5.0} GB/s ({:>3.0}%){tag} [{}]",
                         dt.name(),
                         secs * 1e6,
                         100.0 * gbs / hbm,
                         gsecs * 1e6,
-                        100.0 * ggbs / hbm
+                        100.0 * ggbs / hbm,
+                        b.matmul_kernel(&wt, t)
                     )?;
                 }
             }
+            b.set_gemv_sk(default_sk);
             b.set_q4_gemv(default_q4);
         }
     }

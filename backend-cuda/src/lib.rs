@@ -32,6 +32,7 @@ pub use blas::{PrefillGemm, GEMM_ENV};
 pub use graph::CapturedWork;
 pub use lend::{LEND_DEFAULT, LEND_ENV};
 pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
+pub use ops::linear::sk_plan::{GemvSk, GEMV_SK_ENV};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
@@ -73,6 +74,10 @@ pub struct CudaBackend {
     pub(crate) blas: blas::BlasState,
     /// The q4_g128 decode GEMV path (tensor cores or SIMT).
     pub(crate) q4_gemv: ops::linear::q4mma::Q4GemvState,
+    /// The decode GEMV of element and 8-bit weights (`GemvSk` code, from `KVSTREAM_GEMV_SK`).
+    pub(crate) gemv_sk: std::sync::atomic::AtomicU8,
+    /// Fix-up buffers of the stream-K GEMVs (q4 tensor-core and `gemv_sk`).
+    pub(crate) stream_k: Mutex<ops::linear::streamk::StreamKBuffers>,
     /// The arena region lent to the allocator now, if any ([`lend`]).
     pub(crate) lend: Mutex<Option<lend::Lend>>,
     /// Whether region loans redirect allocations ([`lend::LEND_ENV`]).
@@ -173,6 +178,10 @@ impl CudaBackend {
             attn_wave_blocks: Mutex::new(HashMap::new()),
             blas: blas::BlasState::from_env(),
             q4_gemv: ops::linear::q4mma::Q4GemvState::from_env(),
+            gemv_sk: std::sync::atomic::AtomicU8::new(
+                ops::linear::sk_plan::GemvSk::from_env().code(),
+            ),
+            stream_k: Mutex::new(Default::default()),
             lend: Mutex::new(None),
             lend_enabled: std::sync::atomic::AtomicBool::new(lend::lend_from_env()),
             alloc_cache: alloc_cache::enabled_from_env()

@@ -10,6 +10,8 @@ mod gemm;
 mod plan;
 pub(crate) mod q4mma;
 pub(crate) mod q4mmap;
+pub(crate) mod sk_plan;
+pub(crate) mod streamk;
 
 use crate::launch::args;
 use crate::types::dtype_code;
@@ -21,6 +23,8 @@ use kvstream_memory_contracts::error::OpError;
 use kvstream_memory_contracts::ops::{LinearOps, WeightData};
 use kvstream_memory_contracts::quant_layout;
 use plan::{gemv_plan, GemvPlan, GV_WARPS, SCALAR_WARPS};
+use sk_plan::GemvSk;
+use std::sync::atomic::Ordering;
 
 /// Byte offset of the scales of a quantized weight (0 for element dtypes, whose kernels ignore it).
 fn scales_offset(op: &'static str, w: &CudaWeight) -> Result<u64, OpError> {
@@ -164,7 +168,17 @@ impl LinearOps for CudaBackend {
             }
             let t32 = t as i32;
             let too_big = || OpError::shape("matmul", format!("{n} output rows is too many"));
-            match gemv_plan(w.dtype, dt as usize, t, n, k, wp, self.sm_count).ok_or_else(too_big)? {
+            let plan = gemv_plan(
+                w.dtype,
+                dt as usize,
+                t,
+                n,
+                k,
+                wp,
+                self.sm_count,
+                self.gemv_sk(),
+            );
+            match plan.ok_or_else(too_big)? {
                 GemvPlan::Vector {
                     name,
                     split,
@@ -178,6 +192,19 @@ impl LinearOps for CudaBackend {
                         shared_mem_bytes: 0,
                     };
                     let mut a = args![&xp, &wp, &yp, &t32, &k64, &n64, &soff, &split32];
+                    self.launch("gemv", f, cfg, &mut a)?;
+                }
+                GemvPlan::StreamK { name, split } => {
+                    let (scratch, counters) =
+                        self.stream_k_buffers(split.scratch_bytes(), split.counter_bytes())?;
+                    let f = self.func(name)?;
+                    let cfg = LaunchConfig {
+                        grid_dim: (split.blocks, 1, 1),
+                        block_dim: ((GV_WARPS * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let (sp, cp) = (scratch.ptr(), counters.ptr());
+                    let mut a = args![&xp, &wp, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
                     self.launch("gemv", f, cfg, &mut a)?;
                 }
                 GemvPlan::Scalar { blocks } => {
@@ -195,5 +222,65 @@ impl LinearOps for CudaBackend {
             self.gemm_prefill(x, w, &out, gemm::Gemm { t, n, k, soff })?;
         }
         Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// The decode GEMV choice for element and 8-bit weights now ([`GemvSk`]).
+    pub fn gemv_sk(&self) -> GemvSk {
+        GemvSk::from_code(self.gemv_sk.load(Ordering::Relaxed))
+    }
+
+    /// Chooses the decode GEMV of element and 8-bit weights (overrides `KVSTREAM_GEMV_SK`).
+    /// Choose before decoding a session: MTP verification rows equal single-step rows only under
+    /// one choice (the two kernels sum in different orders).
+    pub fn set_gemv_sk(&self, mode: GemvSk) {
+        self.gemv_sk.store(mode.code(), Ordering::Relaxed);
+    }
+
+    /// The kernel a `t`-row matmul against `w` runs now (benchmarks and logs): a GEMV instance
+    /// name, the family (`gemv_q4i8p`, `gemv_q4i8c`, `gemv_q4mmap`) of a q4 tensor-core path, or
+    /// `gemm` (T > 8).
+    pub fn matmul_kernel(&self, w: &CudaWeight, t: usize) -> &'static str {
+        if w.dims.len() != 2 || t > GEMV_MAX_T {
+            return "gemm";
+        }
+        let (n, k) = (w.dims[0], w.dims[1]);
+        if w.dtype == WeightDType::Q4G128 {
+            let kind = match self.q4_gemv().resolved() {
+                q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
+                q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
+                q4mma::Q4Gemv::Int8Ring => Some(q4mmap::MmapKind::Int8Ring),
+                q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
+            };
+            if let Some(kind) = kind {
+                let planned = scales_offset("matmul", w)
+                    .ok()
+                    .and_then(|soff| self.q4_mmap_plan(kind, n, k, w.ptr(), soff))
+                    .is_some();
+                if planned {
+                    return match kind {
+                        q4mmap::MmapKind::SplitBf16 => "gemv_q4mmap",
+                        q4mmap::MmapKind::Int8 => "gemv_q4i8p",
+                        q4mmap::MmapKind::Int8Ring => "gemv_q4i8c",
+                    };
+                }
+            }
+        }
+        let code = dtype_code(w.dtype) as usize;
+        match gemv_plan(
+            w.dtype,
+            code,
+            t,
+            n,
+            k,
+            w.ptr(),
+            self.sm_count,
+            self.gemv_sk(),
+        ) {
+            Some(GemvPlan::Vector { name, .. } | GemvPlan::StreamK { name, .. }) => name,
+            Some(GemvPlan::Scalar { .. }) => "gemv_scalar",
+            None => "none",
+        }
     }
 }

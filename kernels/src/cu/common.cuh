@@ -81,6 +81,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// ---- Stream-K work split (gemv_mma.cu's q4 GEMV, linear.cu's gemv_sk) ----
+// W warps take equal contiguous ranges of `work` items: warp w the items [qp_start(w), qp_start(w+1)).
+// First item of warp w.
+__device__ __forceinline__ u32 qp_start(u32 w, u32 W, u32 work) { return (u32)((u64)w * work / W); }
+
+// The warp whose range holds item `item`: the largest w with w·work/W <= item.
+__device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
+    return (u32)((((u64)item + 1) * W - 1) / work);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

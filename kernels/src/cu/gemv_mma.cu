@@ -114,13 +114,8 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
 // `_xs`: the x fragments are first staged in shared memory, token t at uint4 offset t·(NG·32 + 1);
 // otherwise they are read from global memory (L1). Both read the same values.
 
-// The warp whose range holds item `item`: the largest w with w·work/W <= item.
-__device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
-    return (u32)((((u64)item + 1) * W - 1) / work);
-}
-
-// First item of warp w.
-__device__ __forceinline__ u32 qp_start(u32 w, u32 W, u32 work) { return (u32)((u64)w * work / W); }
+// The split helpers `qp_start` / `qp_owner` are in common.cuh (shared with linear.cu's stream-K
+// GEMV).
 
 // One warp's part of tile `ct` is done (its range [i0, i1) ends inside the tile or the tile ends):
 // store the tile when the warp owns all of it, else publish the partial sums and let the last

@@ -207,6 +207,57 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// One trip of a warp over R rows: lane `lane` decodes its staged 16-byte chunk of each row (`cs`:
+// the stage's R × 32 chunks, `ss`: its scale words, R × 32 or R × 1) and accumulates it against
+// the EPC x values at `xc` (+ xoff[t] per token): per row and token, elements ascending, one fmaf
+// each. `par` bit r: row r's 2-byte scale is the high half of its staged word.
+template <int FMT, int TM, int R>
+__device__ __forceinline__ void gp_trip(float (&acc)[R][TM], const uint4* cs, const u32* ss, u32 par,
+                                        const float* xc, const u64 (&xoff)[TM], u32 one, int lane) {
+    typedef Fmt<FMT> F;
+    constexpr int EPC = F::EPC, SW = F::SB ? 32 : 1;
+    uint4 cur[R];
+    typename F::P p[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        cur[r] = cs[r * 32 + lane];
+        float d = 0.0f;
+        if (F::SB == 2) {
+            u32 v = ss[r * SW + (F::SB ? lane : 0)];
+            d = f16_to_f32((u16)(((par >> r) & 1u) ? (v >> 16) : (v & 0xffffu)));
+        } else if (F::SB == 4) {
+            d = __uint_as_float(ss[r * SW + (F::SB ? lane : 0)]);
+        }
+        p[r] = F::prep(d);
+    }
+    constexpr int XG = EPC >= 8 ? 2 : 1;
+#pragma unroll
+    for (int g = 0; g < EPC / 4; g += XG) {
+        float4 xv[TM][XG];
+#pragma unroll
+        for (int t = 0; t < TM; t++)
+#pragma unroll
+            for (int i = 0; i < XG; i++) xv[t][i] = __ldg((const float4*)(xc + xoff[t]) + g + i);
+#pragma unroll
+        for (int i = 0; i < XG; i++) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float wv[4];
+                F::decode4(cur[r], g + i, p[r], one, wv);
+#pragma unroll
+                for (int t = 0; t < TM; t++) {
+                    float a = acc[r][t];
+                    a = fmaf(wv[0], xv[t][i].x, a);
+                    a = fmaf(wv[1], xv[t][i].y, a);
+                    a = fmaf(wv[2], xv[t][i].z, a);
+                    a = fmaf(wv[3], xv[t][i].w, a);
+                    acc[r][t] = a;
+                }
+            }
+        }
+    }
+}
+
 template <int FMT, int TM, int R = GV_R, int NS = GP_NS, bool XC = false>
 __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8* __restrict__ w,
                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int split) {
@@ -234,14 +285,14 @@ __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8*
     // number of 4-byte words, so the half-word parity of a row's 2-byte scales is fixed).
     const u8* wi[R];
     const u8* si[R];
-    u32 par[R];
+    u32 par = 0;  // bit r: row r's 2-byte scale is the high half of its staged word
 #pragma unroll
     for (int r = 0; r < R; r++) {
         u64 n = row0 + r < N ? row0 + r : N - 1;  // rows past N re-read row N-1, never stored
         wi[r] = w + n * rb + c0 * 16;
         u64 so = soff + F::scale_off(n, c0, K);
         si[r] = w + (so & ~3ull);
-        par[r] = (u32)(so >> 1) & 1u;
+        par |= ((u32)(so >> 1) & 1u) << r;
     }
     const u64 wstep = stride * 16, sstep = F::SB ? stride * EPC / F::GROUP * F::SB : 0;
     // XC (q4_g128 with K % 1024 == 0, see "coalesced x" below): lane l's chunk lands in the
@@ -295,7 +346,7 @@ __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8*
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 u32 v = sring[warp][st][r][F::SB ? lane : 0];
-                p[r] = F::prep(f16_to_f32((u16)(par[r] ? (v >> 16) : (v & 0xffffu))));
+                p[r] = F::prep(f16_to_f32((u16)(((par >> r) & 1u) ? (v >> 16) : (v & 0xffffu))));
             }
             const float* xt = xc - (u64)lane * EPC;
 #pragma unroll
@@ -330,46 +381,7 @@ __device__ __forceinline__ void gemv_pipe(const float* __restrict__ x, const u8*
         }
         issue();
         cp_wait<NS - 1>();
-        uint4 cur[R];
-        typename F::P p[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            cur[r] = ring[warp][st][r][lane];
-            float d = 0.0f;
-            if (F::SB == 2) {
-                u32 v = sring[warp][st][r][F::SB ? lane : 0];
-                d = f16_to_f32((u16)(par[r] ? (v >> 16) : (v & 0xffffu)));
-            } else if (F::SB == 4) {
-                d = __uint_as_float(sring[warp][st][r][F::SB ? lane : 0]);
-            }
-            p[r] = F::prep(d);
-        }
-        constexpr int XG = EPC >= 8 ? 2 : 1;
-#pragma unroll
-        for (int g = 0; g < EPC / 4; g += XG) {
-            float4 xv[TM][XG];
-#pragma unroll
-            for (int t = 0; t < TM; t++)
-#pragma unroll
-                for (int i = 0; i < XG; i++) xv[t][i] = __ldg((const float4*)(xc + xoff[t]) + g + i);
-#pragma unroll
-            for (int i = 0; i < XG; i++) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    float wv[4];
-                    F::decode4(cur[r], g + i, p[r], one, wv);
-#pragma unroll
-                    for (int t = 0; t < TM; t++) {
-                        float a = acc[r][t];
-                        a = fmaf(wv[0], xv[t][i].x, a);
-                        a = fmaf(wv[1], xv[t][i].y, a);
-                        a = fmaf(wv[2], xv[t][i].z, a);
-                        a = fmaf(wv[3], xv[t][i].w, a);
-                        acc[r][t] = a;
-                    }
-                }
-            }
-        }
+        gp_trip<FMT, TM, R>(acc, &ring[warp][st][0][0], &sring[warp][st][0][0], par, xc, xoff, one, lane);
     }
     cp_wait<0>();
 #pragma unroll
@@ -437,6 +449,241 @@ extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128x_t8(GEMV_ARGS) 
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_f8e4m3_t1(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 1, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 3) __global__ void gemv_f8e4m3_t4(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 4, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 8, 4, 4>(GEMV_PASS); }
+
+// ---- Stream-K decode GEMV (T ≤ 8): `gemv_sk_*` ---------------------------------------------------
+// gemv_pipe's blocks own whole row teams, so when the blocks do not divide evenly over the SMs the
+// last wave runs partly empty (17408 × 5120 bf16: 4.12 waves at split 4). Here the grid is one
+// fixed set of W = gridDim.x · GP_WARPS warps (the launcher: SMs × SK blocks per SM, a function of
+// the device only, the same for every T and instance) and the work is cut evenly between them.
+//
+// Work items: (unit u of SK_R = 8 consecutive rows, trip j), item i = u·TR + j, TR = ceil(nch / 32)
+// trips per unit; trip j of a unit is chunk 32·j + lane of each of its rows for lane `lane` (lanes
+// past the row end on the last trip skip it). Warp w takes the items [qp_start(w), qp_start(w+1))
+// (common.cuh) and streams them, unit after unit, through its cp.async ring exactly as gemv_pipe
+// streams its trips: the issue cursor runs NS - 1 steps ahead of the compute cursor across unit
+// boundaries, so the ring stays full. An instance holds RH ≤ 8 rows in registers: with RH < 8 a
+// warp walks its part of each unit SK_R / RH times, rows [h·RH, (h+1)·RH) in pass h (the weight
+// is still read once; each row's accumulation is unchanged).
+//
+// A unit wholly inside one warp's range is stored directly. A unit shared by warps w0 < ... < w1
+// (consecutive; every warp holds at least one item, the launcher ensures work ≥ W) is finished by
+// the last to arrive: each writes its warp-reduced partial sums (SK_R × 8 floats) to its scratch
+// slot (slot 0 for the first unit of its range, 1 for the last), fences, and counts itself in the
+// unit's counter; the warp that completes the count adds the partials in warp order
+// ((p_w0 + p_w0+1) + ...) + p_w1, stores, and resets the counter to 0 (the launcher zeroes the
+// counters once; every launch leaves them zero) — the scheme of gemv_mma.cu's q4mmap_body.
+//
+// DETERMINISM / T-INDEPENDENCE: output (t, n) is, for every T in 1..=8 and every instance,
+//   per warp w0..w1 holding part of n's unit, per lane: acc = 0; its chunks of that part ascending,
+//   elements ascending, acc = fmaf(w, x, acc); then warp_sum; then the partials in warp order.
+// The split depends on N, K, the dtype (chunk size) and W only; T and TM only pick accumulators
+// (dead tokens t ≥ T re-read token 0 and are never stored), RH only the pass; so row t of a T-row
+// call is bit-identical to a 1-row call.
+#define SK_R 8
+#define SK_SLOT (SK_R * GEMV_MAX_T)
+
+template <int FMT, int TM, int RH, int NS>
+__device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* __restrict__ w,
+                                        float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
+                                        float* __restrict__ scratch, u32* __restrict__ counters) {
+    typedef Fmt<FMT> F;
+    constexpr int EPC = F::EPC, H = SK_R / RH, SW = F::SB ? 32 : 1;
+    static_assert(SK_R % RH == 0, "RH divides the unit");
+    __shared__ uint4 ring[GP_WARPS][NS][RH][32];
+    __shared__ u32 sring[GP_WARPS][NS][RH][SW];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 nch = K / EPC, rb = F::row_bytes(K);
+    const u32 TR = (u32)((nch + 31) / 32);
+    const u32 units = (u32)((N + SK_R - 1) / SK_R);
+    const u32 work = units * TR;  // the launcher keeps it below 2^31
+    const u32 W = gridDim.x * GP_WARPS, gw = blockIdx.x * GP_WARPS + warp;
+    const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
+    if (i0 >= i1) return;
+    const u32 first_unit = i0 / TR;
+    const u32 one = 0x3f800000u | ((u32)T >> 8);  // 1.0f, opaque to the compiler (T ≤ 8)
+    // Trips [lo, hi) of unit u inside this warp's range.
+    auto seg_lo = [&](u32 u) { const u32 b = u * TR; return (i0 > b ? i0 : b) - b; };
+    auto seg_hi = [&](u32 u) { const u32 b = u * TR; return (i1 < b + TR ? i1 : b + TR) - b; };
+    // Scale-word parity of rows [u·SK_R + h·RH, + RH) at chunk c (fixed along a pass: one trip
+    // advances the scale offset by a whole number of 4-byte words).
+    auto parity = [&](u32 u, u32 h, u64 c) {
+        u32 par = 0;
+        if (F::SB == 2) {
+#pragma unroll
+            for (int r = 0; r < RH; r++) {
+                const u64 n0 = (u64)u * SK_R + h * RH + r, n = n0 < N ? n0 : N - 1;
+                par |= ((u32)((soff + F::scale_off(n, c, K)) >> 1) & 1u) << r;
+            }
+        }
+        return par;
+    };
+    float acc[RH][TM];
+#pragma unroll
+    for (int r = 0; r < RH; r++)
+#pragma unroll
+        for (int t = 0; t < TM; t++) acc[r][t] = 0.0f;
+    u64 xoff[TM];
+#pragma unroll
+    for (int t = 0; t < TM; t++) xoff[t] = t < T ? (u64)t * K : 0;
+
+    // Issue cursor: unit iu, pass ih, trip ij of [.., ije); per-row code and scale-word pointers.
+    u32 iu = first_unit, ih = 0, ij = seg_lo(iu), ije = seg_hi(iu);
+    u32 ileft = (i1 - i0) * H;  // steps not yet issued
+    const u8* wi[RH];
+    const u8* si[RH];
+    auto bases = [&]() {
+        const u64 c = (u64)ij * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < RH; r++) {
+            const u64 n0 = (u64)iu * SK_R + ih * RH + r, n = n0 < N ? n0 : N - 1;  // past N: row N-1
+            wi[r] = w + n * rb + c * 16;
+            si[r] = w + ((soff + F::scale_off(n, c, K)) & ~3ull);
+        }
+    };
+    bases();
+    const u64 wstep = 32 * 16, sstep = F::SB ? 32 * EPC / F::GROUP * F::SB : 0;
+    const u32 cbase = smem_addr(&ring[warp][0][0][lane]), sbase = smem_addr(&sring[warp][0][0][F::SB ? lane : 0]);
+    int sti = 0;
+    auto issue = [&]() {
+        if (ileft > 0) {
+            if ((u64)ij * 32 + lane < nch) {
+#pragma unroll
+                for (int r = 0; r < RH; r++) {
+                    const u32 d = cbase + (u32)((sti * RH + r) * 32 * 16);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(wi[r]) : "memory");
+                    if (F::SB) {
+                        const u32 e = sbase + (u32)((sti * RH + r) * SW * 4);
+                        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(e), "l"(si[r]) : "memory");
+                    }
+                }
+            }
+            ileft--;
+            if (++ij == ije) {
+                if (++ih == H) {
+                    ih = 0;
+                    iu++;
+                }
+                if (ileft > 0) {
+                    ij = seg_lo(iu);
+                    ije = seg_hi(iu);
+                    bases();
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < RH; r++) {
+                    wi[r] += wstep;
+                    si[r] += sstep;
+                }
+            }
+        }
+        cp_commit();
+        sti = sti + 1 == NS ? 0 : sti + 1;
+    };
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++) issue();
+
+    // Compute cursor: unit cu, pass ch, trip cj of [.., cje).
+    u32 cu = first_unit, ch = 0, cj = seg_lo(cu), cje = seg_hi(cu);
+    u32 par = parity(cu, ch, (u64)cj * 32 + lane);
+    int st = 0;
+    for (u32 left = (i1 - i0) * H; left > 0; left--) {
+        issue();
+        cp_wait<NS - 1>();
+        const u64 c = (u64)cj * 32 + lane;
+        if (c < nch)
+            gp_trip<FMT, TM, RH>(acc, &ring[warp][st][0][0], &sring[warp][st][0][0], par, x + c * EPC, xoff, one,
+                                 lane);
+        st = st + 1 == NS ? 0 : st + 1;
+        if (++cj < cje) continue;
+        // Pass ch of unit cu done: reduce, then store (whole unit) or stage the partial.
+#pragma unroll
+        for (int r = 0; r < RH; r++)
+#pragma unroll
+            for (int t = 0; t < TM; t++)
+                if (t < T) acc[r][t] = warp_sum(acc[r][t]);
+        const u32 ub = cu * TR;
+        const bool whole = ub >= i0 && ub + TR <= i1;
+        const u64 row0 = (u64)cu * SK_R + ch * RH;
+        float* mine = scratch + ((u64)gw * 2 + (cu == first_unit ? 0 : 1)) * SK_SLOT;
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < RH; r++)
+#pragma unroll
+                for (int t = 0; t < TM; t++) {
+                    if (t >= T) continue;
+                    if (!whole)
+                        mine[(ch * RH + r) * GEMV_MAX_T + t] = acc[r][t];
+                    else if (row0 + r < N)
+                        y[(u64)t * N + row0 + r] = acc[r][t];
+                }
+        }
+#pragma unroll
+        for (int r = 0; r < RH; r++)
+#pragma unroll
+            for (int t = 0; t < TM; t++) acc[r][t] = 0.0f;
+        if (++ch == H) {
+            if (!whole) {
+                __threadfence();
+                __syncwarp();
+                const u32 w0 = qp_owner(ub, W, work), w1 = qp_owner(ub + TR - 1, W, work);
+                u32 prev = 0;
+                if (lane == 0) prev = atomicAdd(&counters[cu], 1u);
+                prev = __shfl_sync(0xffffffffu, prev, 0);
+                if (prev == w1 - w0) {
+                    // Last to arrive: add the partials in warp order.
+                    __threadfence();
+                    for (int i = lane; i < SK_R * TM; i += 32) {
+                        const int r = i / TM, t = i % TM;
+                        const u64 row = (u64)cu * SK_R + r;
+                        if (t < T && row < N) {
+                            float s = 0.0f;
+                            for (u32 ow = w0; ow <= w1; ow++) {
+                                const u32 oslot = cu == qp_start(ow, W, work) / TR ? 0 : 1;
+                                const float p = __ldcg(scratch + ((u64)ow * 2 + oslot) * SK_SLOT + r * GEMV_MAX_T + t);
+                                s = ow == w0 ? p : s + p;
+                            }
+                            y[(u64)t * N + row] = s;
+                        }
+                    }
+                    if (lane == 0) counters[cu] = 0u;
+                }
+            }
+            ch = 0;
+            cu++;
+        }
+        if (left > 1) {
+            cj = seg_lo(cu);
+            cje = seg_hi(cu);
+            par = parity(cu, ch, (u64)cj * 32 + lane);
+        }
+    }
+    cp_wait<0>();
+}
+
+#define GEMV_SK_ARGS                                                                                  \
+    const float *x, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, float *scratch, u32 *counters
+#define GEMV_SK_PASS x, w, y, T, K, N, soff, scratch, counters
+// Instances: TM = 1, 4, 8 as gemv_pipe's (same per-row results for every TM and RH, see above).
+// Every instance is launched with the same grid (SMs × 4 blocks, SK_BLOCKS_PER_SM in
+// sk_plan.rs), so the _t1 and _t4 instances are capped at 128 registers (4 blocks of 128 threads
+// per SM: one wave; NVRTC 13 / sm_90: 89–128 registers, no spills; q8_0 and fp8 _t4 hold 4 rows
+// in a 3-stage ring to fit). The _t8 instances keep gemv_pipe's 2 blocks per SM and run the grid
+// in exactly two full waves.
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f32_t1(GEMV_SK_ARGS) { gemv_sk<WT_F32, 1, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f32_t4(GEMV_SK_ARGS) { gemv_sk<WT_F32, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f32_t8(GEMV_SK_ARGS) { gemv_sk<WT_F32, 8, 4, 4>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f16_t1(GEMV_SK_ARGS) { gemv_sk<WT_F16, 1, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f16_t4(GEMV_SK_ARGS) { gemv_sk<WT_F16, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f16_t8(GEMV_SK_ARGS) { gemv_sk<WT_F16, 8, 4, 4>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_bf16_t1(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 1, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_bf16_t4(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 4, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_bf16_t8(GEMV_SK_ARGS) { gemv_sk<WT_BF16, 8, 4, 4>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_q8_0_t1(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 1, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_q8_0_t4(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 4, 4, 3>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_q8_0_t8(GEMV_SK_ARGS) { gemv_sk<WT_Q8_0, 8, 4, 4>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f8e4m3_t1(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 1, 8, 2>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 4) __global__ void gemv_sk_f8e4m3_t4(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 4, 4, 3>(GEMV_SK_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_sk_f8e4m3_t8(GEMV_SK_ARGS) { gemv_sk<WT_F8E4M3, 8, 4, 4>(GEMV_SK_PASS); }
 
 // Fallback GEMV for rows that are not 16-byte chunkable (K not a multiple of the chunk): one warp
 // per output row, lane l reads k = l, l + 32, ...; same T-independence argument (per-lane order is

@@ -6,6 +6,7 @@
 //! kernel, chunk size, `split`) is a function of the dtype, N and K only, never of T; T only picks
 //! the instance (`_t1`, `_t4`, `_t8`), which sizes the accumulators and nothing else.
 
+use super::sk_plan::{use_stream_k, GemvSk, SkSplit};
 use kvstream_memory_contracts::backend::WeightDType;
 
 /// Warps per vector-GEMV block (`GP_WARPS` in linear.cu); also the largest `split`.
@@ -17,7 +18,7 @@ pub(crate) const SCALAR_WARPS: usize = 8;
 pub(crate) const GV_R: usize = 4;
 /// Rows per warp team of each instance width (`_t1`, `_t4`, `_t8`: the `R` template argument of
 /// the entry points in linear.cu).
-const ROWS_PER_TEAM: [usize; 3] = [8, 8, 4];
+pub(crate) const ROWS_PER_TEAM: [usize; 3] = [8, 8, 4];
 /// Warps the split heuristic aims for (≈ 16 per SM on a 132-SM H100/H200): fewer row teams than
 /// that leave SMs idle, so their rows are split over more warps.
 pub(crate) const TARGET_WARPS: usize = 2048;
@@ -31,6 +32,23 @@ const GEMV_KERNELS: [[&str; 3]; 6] = [
     ["gemv_q4g128_t1", "gemv_q4g128_t4", "gemv_q4g128_t8"],
     ["gemv_f8e4m3_t1", "gemv_f8e4m3_t4", "gemv_f8e4m3_t8"],
 ];
+
+/// Stream-K GEMV kernels (`gemv_sk_*`, see [`super::sk_plan`]) by dtype and width; q4_g128 has
+/// none.
+fn sk_kernels(d: WeightDType) -> Option<[&'static str; 3]> {
+    Some(match d {
+        WeightDType::F32 => ["gemv_sk_f32_t1", "gemv_sk_f32_t4", "gemv_sk_f32_t8"],
+        WeightDType::F16 => ["gemv_sk_f16_t1", "gemv_sk_f16_t4", "gemv_sk_f16_t8"],
+        WeightDType::Bf16 => ["gemv_sk_bf16_t1", "gemv_sk_bf16_t4", "gemv_sk_bf16_t8"],
+        WeightDType::Q8_0 => ["gemv_sk_q8_0_t1", "gemv_sk_q8_0_t4", "gemv_sk_q8_0_t8"],
+        WeightDType::F8E4M3 => [
+            "gemv_sk_f8e4m3_t1",
+            "gemv_sk_f8e4m3_t4",
+            "gemv_sk_f8e4m3_t8",
+        ],
+        WeightDType::Q4G128 => return None,
+    })
+}
 
 /// The q4_g128 instances with coalesced x reads (`XC` in linear.cu), used when a warp's trip of
 /// 32 chunks never runs past the row end (K a multiple of [`Q4X_K_MULTIPLE`]); a function of K
@@ -61,6 +79,8 @@ pub(crate) enum GemvPlan {
     },
     /// `gemv_scalar`: one warp per row, [`SCALAR_WARPS`] rows per block.
     Scalar { blocks: u32 },
+    /// The persistent stream-K kernel `name` (`gemv_sk_*`) with the grid and work of `split`.
+    StreamK { name: &'static str, split: SkSplit },
 }
 
 /// Warps per row team for an `[n, k]` weight of `d` on a device of `sms` multiprocessors (0:
@@ -110,7 +130,10 @@ fn split_override() -> Option<usize> {
 }
 
 /// The GEMV plan for `t` rows (1..=8) of activations against `[n, k]` of `d` at device address
-/// `w_ptr`. `None` if the grid would not fit (more than 2^31 - 1 blocks).
+/// `w_ptr` on `sms` multiprocessors, with the stream-K kernel chosen by `sk` (see
+/// [`use_stream_k`]; never a function of `t`). `None` if the grid would not fit (more than
+/// 2^31 - 1 blocks).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemv_plan(
     d: WeightDType,
     code: usize,
@@ -119,18 +142,23 @@ pub(crate) fn gemv_plan(
     k: usize,
     w_ptr: u64,
     sms: usize,
+    sk: GemvSk,
 ) -> Option<GemvPlan> {
     let vector = k % chunk_elems(d) == 0 && w_ptr % 16 == 0;
     if !vector {
         let blocks = u32::try_from(n.div_ceil(SCALAR_WARPS)).ok()?;
         return Some(GemvPlan::Scalar { blocks });
     }
-    let split = gemv_split(d, n, k, sms);
     let width = match t {
         0 | 1 => 0,
         2..=4 => 1,
         _ => 2,
     };
+    if let (Some(split), Some(names)) = (use_stream_k(d, n, k, sms, sk), sk_kernels(d)) {
+        let name = names[width];
+        return Some(GemvPlan::StreamK { name, split });
+    }
+    let split = gemv_split(d, n, k, sms);
     let rows_per_block = ROWS_PER_TEAM[width] * (GV_WARPS / split as usize);
     let blocks = u32::try_from(n.div_ceil(rows_per_block)).ok()?;
     if blocks > i32::MAX as u32 {
@@ -167,7 +195,8 @@ mod tests {
         for d in ALL {
             let code = dtype_code(d) as usize;
             for t in 1..=8 {
-                let Some(GemvPlan::Vector { name, .. }) = gemv_plan(d, code, t, 64, 1024, 256, 132)
+                let Some(GemvPlan::Vector { name, .. }) =
+                    gemv_plan(d, code, t, 64, 1024, 256, 132, GemvSk::Off)
                 else {
                     panic!("{d}: expected the vector kernel");
                 };
@@ -189,7 +218,7 @@ mod tests {
     fn q4_rows_of_whole_trips_take_the_coalesced_instances() {
         let d = WeightDType::Q4G128;
         let code = dtype_code(d) as usize;
-        let name = |t, k| match gemv_plan(d, code, t, 64, k, 0, 132) {
+        let name = |t, k| match gemv_plan(d, code, t, 64, k, 0, 132, GemvSk::Off) {
             Some(GemvPlan::Vector { name, .. }) => name,
             other => panic!("{other:?}"),
         };
@@ -257,9 +286,9 @@ mod tests {
                     Some(GemvPlan::Vector { split, blocks, .. }) => (split, blocks),
                     other => panic!("{other:?}"),
                 };
-                let (split1, _) = strip(gemv_plan(d, code, 1, n, k, 0, sms));
+                let (split1, _) = strip(gemv_plan(d, code, 1, n, k, 0, sms, GemvSk::Off));
                 for t in 1..=8 {
-                    let (split, blocks) = strip(gemv_plan(d, code, t, n, k, 0, sms));
+                    let (split, blocks) = strip(gemv_plan(d, code, t, n, k, 0, sms, GemvSk::Off));
                     assert_eq!(split, split1, "{d} [{n}x{k}] t={t}: split depends on T");
                     let width = usize::from(t > 1) + usize::from(t > 4);
                     let per_block = ROWS_PER_TEAM[width] * GV_WARPS / split as usize;
@@ -299,24 +328,69 @@ mod tests {
         assert_eq!(gemv_split(WeightDType::Bf16, 17408, 5120, 0), 1);
     }
 
+    /// Stream-K plans: the kernel table has every instance, the instance name follows the width
+    /// and dtype, and the grid and units (the decomposition) are the same for every T.
+    #[test]
+    fn stream_k_plans_name_existing_kernels_and_ignore_t() {
+        for d in ALL {
+            let code = dtype_code(d) as usize;
+            let plans: Vec<_> = (1..=8)
+                .map(|t| gemv_plan(d, code, t, 17408, 5120, 0, 132, GemvSk::Auto))
+                .collect();
+            if d == WeightDType::Q4G128 {
+                assert!(plans
+                    .iter()
+                    .all(|p| matches!(p, Some(GemvPlan::Vector { .. }))));
+                continue;
+            }
+            let mut grid = None;
+            for (t, p) in (1..=8).zip(plans) {
+                let Some(GemvPlan::StreamK { name, split }) = p else {
+                    panic!("{d} t={t}: expected stream-K, got {p:?}");
+                };
+                assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
+                assert!(name.starts_with("gemv_sk_"), "{name}");
+                let width = if t == 1 {
+                    "_t1"
+                } else if t <= 4 {
+                    "_t4"
+                } else {
+                    "_t8"
+                };
+                assert!(name.ends_with(width), "{d} t={t}: {name}");
+                let g = *grid.get_or_insert(split);
+                assert_eq!(split, g, "{d} t={t}: the split depends on T");
+                assert_eq!((split.blocks, split.units), (528, 2176));
+            }
+            // Off, or a shape gemv_pipe fills well: the pipelined kernel.
+            let off = gemv_plan(d, code, 1, 17408, 5120, 0, 132, GemvSk::Off);
+            assert!(matches!(off, Some(GemvPlan::Vector { .. })), "{off:?}");
+            let lm = gemv_plan(d, code, 1, 248_320, 5120, 0, 132, GemvSk::Auto);
+            assert!(matches!(lm, Some(GemvPlan::Vector { .. })), "{lm:?}");
+            // Unaligned rows stay scalar even when forced.
+            let sc = gemv_plan(d, code, 1, 17408, 5120, 8, 132, GemvSk::On);
+            assert!(matches!(sc, Some(GemvPlan::Scalar { .. })), "{sc:?}");
+        }
+    }
+
     #[test]
     fn unaligned_or_ragged_rows_use_the_scalar_kernel() {
         let code = dtype_code(WeightDType::Bf16) as usize;
         assert_eq!(
-            gemv_plan(WeightDType::Bf16, code, 1, 70, 200 + 4, 0, 132),
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200 + 4, 0, 132, GemvSk::Off),
             Some(GemvPlan::Scalar { blocks: 9 })
         );
         assert!(matches!(
-            gemv_plan(WeightDType::Bf16, code, 1, 70, 200, 8, 132),
+            gemv_plan(WeightDType::Bf16, code, 1, 70, 200, 8, 132, GemvSk::Off),
             Some(GemvPlan::Scalar { .. })
         ));
         let f8 = dtype_code(WeightDType::F8E4M3) as usize;
         assert!(matches!(
-            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 200, 0, 132),
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 200, 0, 132, GemvSk::Off),
             Some(GemvPlan::Scalar { .. })
         ));
         assert!(matches!(
-            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 208, 0, 132),
+            gemv_plan(WeightDType::F8E4M3, f8, 3, 70, 208, 0, 132, GemvSk::Off),
             Some(GemvPlan::Vector { .. })
         ));
     }

@@ -52,8 +52,6 @@ pub(crate) struct Q4GemvState {
     /// Bit i set: the i-th staged (`_xs`) persistent kernel (`super::q4mmap::STAGED_KERNELS`)
     /// may already take its largest dynamic shared memory.
     pub(crate) xs_reserved: AtomicU32,
-    /// The persistent kernel's fix-up buffers.
-    pub(crate) buffers: std::sync::Mutex<super::q4mmap::MmapBuffers>,
 }
 
 impl Q4GemvState {
@@ -61,7 +59,6 @@ impl Q4GemvState {
         Self {
             path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
             xs_reserved: AtomicU32::new(0),
-            buffers: std::sync::Mutex::new(super::q4mmap::MmapBuffers::default()),
         }
     }
 }

@@ -3,16 +3,16 @@
 //! every warp streams an equal share of the (16-row tile, 128-group) items through a register ring
 //! without pause. A grid of `SMs × blocks per SM` blocks of 8 warps; warp `w` of the `W` takes the
 //! items `[w·work/W, (w+1)·work/W)`; a tile shared by several warps is finished by the last to
-//! arrive, which adds the partial sums in warp order (scratch slots and per-tile counters kept
-//! here, counters zero between launches).
+//! arrive, which adds the partial sums in warp order (scratch slots and per-tile counters in the
+//! backend's [`super::streamk`] holder, counters zero between launches).
 //!
 //! Bit-identity across T (MTP verification rows must equal single steps): the grid is a function
 //! of the SM count and the build only; T and the x staging (`_xs`: x fragments in shared memory
 //! when they fit) only decide where x is read from, never the arithmetic of an output.
 
-use crate::launch::{allow_dynamic_smem, args, dev};
+use crate::launch::{allow_dynamic_smem, args};
 use crate::{CudaBackend, CudaTensor, DeviceAlloc};
-use cudarc::driver::{result, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -188,25 +188,6 @@ pub(crate) fn q4_mmap_plan(
     })
 }
 
-/// Host mirror of the kernel's work split: the first item of warp `w` of `warps`.
-#[cfg(test)]
-fn start(w: usize, warps: usize, work: usize) -> usize {
-    w * work / warps
-}
-
-/// Host mirror of `qp_owner`: the warp whose range holds `item`.
-#[cfg(test)]
-fn owner(item: usize, warps: usize, work: usize) -> usize {
-    ((item + 1) * warps - 1) / work
-}
-
-/// Scratch slots (two per warp) and per-tile counters of the stream-K fix-up, grown on demand.
-#[derive(Debug, Default)]
-pub(crate) struct MmapBuffers {
-    scratch: Option<Arc<DeviceAlloc>>,
-    counters: Option<Arc<DeviceAlloc>>,
-}
-
 /// Most dynamic shared memory `_xs` takes: `per_sm` blocks per SM still fit.
 fn staged_limit(max_smem_optin: usize, per_sm: usize) -> usize {
     (SM_SHARED_BYTES / per_sm.max(1))
@@ -233,40 +214,16 @@ fn staged_x_bytes(
 }
 
 impl CudaBackend {
-    /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores, persistent kernel (`t` ≤ 8).
-    #[allow(clippy::too_many_arguments)]
-    /// The fix-up buffers for `plan`: two scratch slots per warp of the grid and a zeroed counter
-    /// per tile (kept, and only grown, across calls; every launch leaves the counters zero).
+    /// The fix-up buffers for `plan`: two scratch slots per warp of the grid and a counter per
+    /// tile (the shared holder of [`super::streamk`]).
     fn mmap_buffers(
         &self,
         plan: Q4MmapPlan,
     ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
-        let mut b = self
-            .q4_gemv
-            .buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let scratch_bytes = plan.blocks as usize * WARPS * 2 * SLOT_FLOATS * 4;
-        if b.scratch.as_ref().is_none_or(|s| s.len() < scratch_bytes) {
-            b.scratch = Some(self.alloc_owned(scratch_bytes, "q4 GEMV scratch")?);
-        }
-        let counter_bytes = plan.tiles * 4;
-        if b.counters.as_ref().is_none_or(|c| c.len() < counter_bytes) {
-            let c = self.alloc_owned(counter_bytes, "q4 GEMV tile counters")?;
-            self.ctx.bind_to_thread().map_err(dev("zeros"))?;
-            // SAFETY: the allocation holds `counter_bytes` bytes; ordered on the compute stream
-            // before any kernel that reads them.
-            unsafe { result::memset_d8_async(c.ptr(), 0, counter_bytes, self.compute.cu_stream()) }
-                .map_err(dev("zeros"))?;
-            b.counters = Some(c);
-        }
-        match (&b.scratch, &b.counters) {
-            (Some(s), Some(c)) => Ok((s.clone(), c.clone())),
-            _ => Err(OpError::shape(
-                "matmul",
-                "q4 GEMV buffers missing".to_string(),
-            )),
-        }
+        self.stream_k_buffers(
+            plan.blocks as usize * WARPS * 2 * SLOT_FLOATS * 4,
+            plan.tiles * 4,
+        )
     }
 
     /// The plan for a q4_g128 weight on this device (the build in use decides the grid).
@@ -281,6 +238,8 @@ impl CudaBackend {
         q4_mmap_plan(n, k, w_ptr, soff, self.sm_count, blocks_per_sm_of(kind))
     }
 
+    /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores, persistent kernel (`t` ≤ 8).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv_q4_mmap(
         &self,
         plan: Q4MmapPlan,
@@ -344,6 +303,7 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::streamk::{owner, start};
     use super::*;
 
     #[test]
