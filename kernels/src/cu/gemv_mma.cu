@@ -117,89 +117,53 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
 // The split helpers `qp_start` / `qp_owner` are in common.cuh (shared with linear.cu's stream-K
 // GEMV).
 
-// A shared tile's partial sums go to the warp's scratch slot (slot 0 for the first tile of its
-// range, 1 for the last).
-__device__ __forceinline__ void qp_write_partial(const float* acc, u32 gw, u32 slot, int lane,
-                                                 float* __restrict__ scratch) {
-    float* mine = scratch + ((u64)gw * 2 + slot) * 128;
-#pragma unroll
-    for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
-}
-
-// After its partial is visible (fence): count this warp in tile ct's counter; the last of the
-// tile's warps to arrive adds the partials in warp order, stores the tile and resets the counter.
-// C layout: acc[0], acc[1] = (row g, tokens 2tq, 2tq + 1); acc[2], acc[3] = (row g + 8, same).
-__device__ __forceinline__ void qp_count_and_finish(u32 ct, u32 NG, u32 W, u32 work, int lane, int g, int tq,
-                                                    int T, u64 N, float* __restrict__ y,
-                                                    float* __restrict__ scratch, u32* __restrict__ counters) {
+// One warp's part of tile `ct` is done (its range [i0, i1) ends inside the tile or the tile ends):
+// store the tile when the warp owns all of it, else publish the partial sums and let the last
+// contributor add them in warp order (see above). C layout: acc[0], acc[1] = (row g, tokens 2tq,
+// 2tq + 1); acc[2], acc[3] = (row g + 8, same tokens). Zeroes acc.
+__device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile, u32 i0, u32 i1, u32 NG, u32 W,
+                                             u32 work, u32 gw, int lane, int g, int tq, int T, u64 N,
+                                             float* __restrict__ y, float* __restrict__ scratch,
+                                             u32* __restrict__ counters) {
+    const u64 r0 = (u64)ct * 16 + g;
+    const int t0 = 2 * tq;
     const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
-    const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
-    u32 prev = 0;
-    if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
-    prev = __shfl_sync(0xffffffffu, prev, 0);
-    if (prev == w1 - w0) {
-        __threadfence();
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 ow = w0; ow <= w1; ow++) {
-            const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
-            const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
-#pragma unroll
-            for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
-        }
-        const u64 r0 = (u64)ct * 16 + g;
+    if (tfirst >= i0 && tlast < i1) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const u64 row = r0 + (i >= 2 ? 8 : 0);
-            const int t = 2 * tq + (i & 1);
-            if (t < T && row < N) y[(u64)t * N + row] = v[i];
-        }
-        if (lane == 0) counters[ct] = 0u;
-    }
-}
-
-// One warp's part of tile `ct` is done (the tile ends, or the warp's range [i0, i1) ends inside
-// it: `range_end`). A tile wholly inside the range is stored directly. A shared tile is published
-// (partial, fence, count; see above) — the range's FIRST shared tile writes its partial at once but
-// is fenced and counted only when the range ends (`deferred`), so the warp's one fence finds no
-// weight loads of its own in flight instead of stalling the stream mid-range (DEFER; the
-// register-ring kernels publish at once: deferring costs them registers and spills). Zeroes acc.
-template <bool DEFER>
-__device__ __forceinline__ void qp_tile_done(float* acc, bool& deferred, bool range_end, u32 ct,
-                                             u32 first_tile, u32 i0, u32 i1, u32 NG, u32 W, u32 work, u32 gw,
-                                             int lane, int g, int tq, int T, u64 N, float* __restrict__ y,
-                                             float* __restrict__ scratch, u32* __restrict__ counters) {
-    const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
-    const bool whole = tfirst >= i0 && tlast < i1;
-    if (whole) {
-        const u64 r0 = (u64)ct * 16 + g;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const u64 row = r0 + (i >= 2 ? 8 : 0);
-            const int t = 2 * tq + (i & 1);
+            const int t = t0 + (i & 1);
             if (t < T && row < N) y[(u64)t * N + row] = acc[i];
         }
     } else {
-        // Not whole: the range's first tile (slot 0; if the range goes on, counted at its end) or
-        // its last (slot 1).
-        qp_write_partial(acc, gw, ct == first_tile ? 0 : 1, lane, scratch);
-        if (!range_end) {
-            if (DEFER) {
-                deferred = true;
-            } else {
-                __threadfence();
-                __syncwarp();
-                qp_count_and_finish(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
-            }
-        }
-    }
-    if (range_end) {
-        if (deferred || !whole) {
+        const u32 slot = ct == first_tile ? 0 : 1;
+        float* mine = scratch + ((u64)gw * 2 + slot) * 128;
+#pragma unroll
+        for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
+        __threadfence();
+        __syncwarp();
+        const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
+        u32 prev = 0;
+        if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev == w1 - w0) {
+            // Last to arrive: add the partials in warp order.
             __threadfence();
-            __syncwarp();
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (u32 ow = w0; ow <= w1; ow++) {
+                const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
+                const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u64 row = r0 + (i >= 2 ? 8 : 0);
+                const int t = t0 + (i & 1);
+                if (t < T && row < N) y[(u64)t * N + row] = v[i];
+            }
+            if (lane == 0) counters[ct] = 0u;
         }
-        if (deferred) qp_count_and_finish(first_tile, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
-        if (!whole) qp_count_and_finish(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
-        deferred = false;
     }
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[i] = 0.0f;
@@ -271,7 +235,6 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     for (int s = 0; s < QP_P; s++) load(s);
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bool deferred = false;  // the range's first tile is shared and not yet counted
     u32 ct = first_tile, cg = i0 % NG;
     const u32 total = i1 - i0;
     for (u32 j0 = 0; j0 < total; j0 += QP_P) {
@@ -303,8 +266,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
             const bool range_end = j0 + s + 1 == total;
             if (++cg == NG || range_end) {
-                qp_tile_done<false>(acc, deferred, range_end, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T,
-                             N, y, scratch, counters);
+                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
             }
@@ -513,7 +475,6 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     for (int s = 0; s < QP_P; s++) load(s);
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bool deferred = false;  // the range's first tile is shared and not yet counted
     u32 ct = first_tile, cg = i0 % NG;
     const u32 total = i1 - i0;
     for (u32 j0 = 0; j0 < total; j0 += QP_P) {
@@ -548,8 +509,7 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
             }
             const bool range_end = j0 + s + 1 == total;
             if (++cg == NG || range_end) {
-                qp_tile_done<false>(acc, deferred, range_end, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T,
-                             N, y, scratch, counters);
+                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
             }
@@ -589,7 +549,7 @@ __device__ __forceinline__ u32 qc_smem_addr(const void* p) {
     return a;
 }
 
-template <bool XS, int NSTG, bool ODD, bool FUSE>
+template <bool XS, int NSTG, bool ODD>
 __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                            float* __restrict__ scratch, u32* __restrict__ counters) {
@@ -608,14 +568,8 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     const u32 per = NG * QI_U4;
     const u32 tstride = XS ? per + 1u : per;
     if (XS) {
-        if (FUSE) {
-            const float* xr = (const float*)xf;
-            for (u32 gi = warp; gi < (u32)T * NG; gi += QM_WARPS)
-                qi_prep_group(xr + (u64)gi * 128, xstage + (gi / NG) * tstride + (gi % NG) * QI_U4, lane);
-        } else {
-            const u32 n = (u32)T * per;
-            for (u32 i = threadIdx.x; i < n; i += blockDim.x) xstage[(i / per) * tstride + i % per] = xf[i];
-        }
+        const u32 n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) xstage[(i / per) * tstride + i % per] = xf[i];
         __syncthreads();
     }
     const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
@@ -684,7 +638,6 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     };
     parities();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bool deferred = false;  // the range's first tile is shared and not yet counted
     const u32 total = i1 - i0;
     int st = 0;
     for (u32 j = 0; j < total; j++) {
@@ -720,8 +673,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
             acc[3] = fmaf(qi_value(c2, c1, c0, 3, m1), __fmul_rn(xb1, qb), acc[3]);
         }
         if (++cg == NG || j + 1 == total) {
-            qp_tile_done<true>(acc, deferred, j + 1 == total, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq,
-                         T, N, y, scratch, counters);
+            qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
             cg = 0;
             ct++;
             parities();
@@ -730,25 +682,24 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
-// 2 blocks of 8 warps per SM; NSTG = 5 stages (50 KiB of ring per block, x quantised into shared
-// memory after it by every block when it fits: `_xf`).
+// 2 blocks of 8 warps per SM; NSTG = 5 stages (50 KiB of ring per block, x staged after it).
 #define QC_NSTG 5
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_NSTG, true, false>(Q4MMAP_PASS);
+    q4i8c_body<false, QC_NSTG, true>(Q4MMAP_PASS);
 }
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c_xf(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_NSTG, true, true>(Q4MMAP_PASS);
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, QC_NSTG, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_NSTG, false, false>(Q4MMAP_PASS);
+    q4i8c_body<false, QC_NSTG, false>(Q4MMAP_PASS);
 }
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xf(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_NSTG, false, true>(Q4MMAP_PASS);
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, QC_NSTG, false>(Q4MMAP_PASS);
 }
 // T = 1 with 3 blocks per SM and a 4-stage ring (A/B: KVSTREAM_Q4_I8C_OCC=3).
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4i8c1_o3(Q4MMAP_ARGS) {
-    q4i8c_body<false, 4, false, false>(Q4MMAP_PASS);
+    q4i8c_body<false, 4, false>(Q4MMAP_PASS);
 }
-extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4i8c1_o3_xf(Q4MMAP_ARGS) {
-    q4i8c_body<true, 4, false, true>(Q4MMAP_PASS);
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4i8c1_o3_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, false>(Q4MMAP_PASS);
 }

@@ -68,11 +68,11 @@ pub(crate) const STAGED_KERNELS: [&str; 12] = [
     "gemv_q4i8p_xf",
     "gemv_q4i8p1_xf",
     "gemv_q4i8c",
-    "gemv_q4i8c_xf",
+    "gemv_q4i8c_xs",
     "gemv_q4i8c1",
-    "gemv_q4i8c1_xf",
+    "gemv_q4i8c1_xs",
     "gemv_q4i8c1_o3",
-    "gemv_q4i8c1_o3_xf",
+    "gemv_q4i8c1_o3_xs",
     "gemv_q4mmap",
     "gemv_q4mmap3",
 ];
@@ -88,11 +88,11 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
         (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xf",
         (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
-        (MmapKind::Int8Ring, 3, 1, true) => "gemv_q4i8c1_o3_xf",
+        (MmapKind::Int8Ring, 3, 1, true) => "gemv_q4i8c1_o3_xs",
         (MmapKind::Int8Ring, 3, 1, false) => "gemv_q4i8c1_o3",
-        (MmapKind::Int8Ring, _, 1, true) => "gemv_q4i8c1_xf",
+        (MmapKind::Int8Ring, _, 1, true) => "gemv_q4i8c1_xs",
         (MmapKind::Int8Ring, _, 1, false) => "gemv_q4i8c1",
-        (MmapKind::Int8Ring, _, _, true) => "gemv_q4i8c_xf",
+        (MmapKind::Int8Ring, _, _, true) => "gemv_q4i8c_xs",
         (MmapKind::Int8Ring, _, _, false) => "gemv_q4i8c",
     }
 }
@@ -268,7 +268,7 @@ impl CudaBackend {
         let name = b.name;
         // x as the kernel reads it: the integer kernel's staged build quantises x itself
         // (`gemv_q4i8p*_xf`); every other build reads fragments prepared by an xprep kernel.
-        let fused = kind != MmapKind::SplitBf16 && staged.is_some();
+        let fused = kind == MmapKind::Int8 && staged.is_some();
         let xf = match kind {
             _ if fused => None,
             MmapKind::SplitBf16 => Some(self.q4_mma_xprep(x, t, k)?),
@@ -437,18 +437,14 @@ mod tests {
 
     #[test]
     fn every_staged_kernel_has_a_reservation_bit_and_names_match_the_build() {
-        for kind in [MmapKind::SplitBf16, MmapKind::Int8, MmapKind::Int8Ring] {
+        for kind in [MmapKind::SplitBf16, MmapKind::Int8] {
             for t in 1..=8 {
                 for per_sm in [2, 3] {
                     let staged = kernel_name(kind, t, per_sm, true);
                     assert!(STAGED_KERNELS.contains(&staged), "{staged}");
                     let plain = kernel_name(kind, t, per_sm, false);
                     // The integer kernel's staged builds quantise x themselves (`_xf`).
-                    let suffix = if kind == MmapKind::SplitBf16 {
-                        "_xs"
-                    } else {
-                        "_xf"
-                    };
+                    let suffix = if kind == MmapKind::Int8 { "_xf" } else { "_xs" };
                     assert_eq!(format!("{plain}{suffix}"), staged);
                 }
             }
