@@ -319,10 +319,12 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q
 #define QI_M 8355711  // 0x7f7f7f
 #define QI_U4 25      // uint4 per (token, group)
 
-// One (token, 128-group) of x (128 floats at xg, 16-byte aligned) → its 25 fragment uint4 at
-// base (global or shared memory), by one whole warp (lane = its lane).
-__device__ __forceinline__ void qi_prep_group(const float* __restrict__ xg, uint4* base, int lane) {
-    const float4 v = ((const float4*)xg)[lane];
+// x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
+extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
+    const int lane = threadIdx.x & 31;
+    if (gi >= (u64)T * (K / 128)) return;  // warp-uniform
+    const float4 v = ((const float4*)(x + gi * 128))[lane];
     const bool bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
     float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
@@ -358,6 +360,7 @@ __device__ __forceinline__ void qi_prep_group(const float* __restrict__ xg, uint
     for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
     // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
     // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
+    uint4* base = xf + gi * QI_U4;
     if ((lane & 1) == 0) {
         const int tq = lane >> 3, wd = (lane >> 1) & 3;
         u32 b0[3], b1[3];
@@ -370,14 +373,6 @@ __device__ __forceinline__ void qi_prep_group(const float* __restrict__ xg, uint
         ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
     }
     if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), (u32)(-8 * s2), (u32)(-8 * s10), 0u);
-}
-
-// x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
-extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
-    const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
-    const int lane = threadIdx.x & 31;
-    if (gi >= (u64)T * (K / 128)) return;  // warp-uniform
-    qi_prep_group(x + gi * 128, xf + gi * QI_U4, lane);
 }
 
 // D (s32x4) += A (u8 16x32, row) * B (s8 32x8, col).
@@ -396,10 +391,8 @@ __device__ __forceinline__ float qi_value(const int* c2, const int* c1, const in
 }
 
 // ODD: compute the odd token columns (2tq + 1) too; the T = 1 builds skip them (column 2tq gets
-// the same instructions either way). FUSE (with XS): `xf` is x itself ([T, K] f32) and every
-// block quantises it into its shared memory (the same values `gemv_q4i8_xprep` writes; saves that
-// kernel and its launch gap, at the cost of each block reading x from L2).
-template <bool XS, int QP_P, bool ODD, bool FUSE = false>
+// the same instructions either way).
+template <bool XS, int QP_P, bool ODD>
 __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                            float* __restrict__ scratch, u32* __restrict__ counters) {
@@ -415,14 +408,8 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     const u32 per = NG * QI_U4;
     const u32 tstride = XS ? per + 1u : per;
     if (XS) {
-        if (FUSE) {
-            const float* xr = (const float*)xf;
-            for (u32 gi = warp; gi < (u32)T * NG; gi += QM_WARPS)
-                qi_prep_group(xr + (u64)gi * 128, qp_xs + (gi / NG) * tstride + (gi % NG) * QI_U4, lane);
-        } else {
-            const u32 n = (u32)T * per;
-            for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
-        }
+        const u32 n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
         __syncthreads();
     }
     const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
@@ -517,20 +504,19 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     }
 }
 
-// Builds: every T (`gemv_q4i8p`) and T = 1 only (`gemv_q4i8p1`, even columns), x prepared by
-// `gemv_q4i8_xprep` and read from global memory, or quantised by every block into its shared
-// memory (`_xf`); 2 blocks of 8 warps per SM, 4-stage ring.
+// Builds: every T (`gemv_q4i8p`) and T = 1 only (`gemv_q4i8p1`, even columns), x read from global
+// memory or staged (`_xs`); 2 blocks of 8 warps per SM, 4-stage ring.
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p(Q4MMAP_ARGS) {
     q4i8p_body<false, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1(Q4MMAP_ARGS) {
     q4i8p_body<false, 4, false>(Q4MMAP_PASS);
 }
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p_xf(Q4MMAP_ARGS) {
-    q4i8p_body<true, 4, true, true>(Q4MMAP_PASS);
-}
-extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1_xf(Q4MMAP_ARGS) {
-    q4i8p_body<true, 4, false, true>(Q4MMAP_PASS);
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, false>(Q4MMAP_PASS);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ const fn ring_bytes(stages: usize) -> usize {
 pub(crate) const STAGED_KERNELS: [&str; 12] = [
     "gemv_q4mmap_xs",
     "gemv_q4mmap3_xs",
-    "gemv_q4i8p_xf",
-    "gemv_q4i8p1_xf",
+    "gemv_q4i8p_xs",
+    "gemv_q4i8p1_xs",
     "gemv_q4i8c",
     "gemv_q4i8c_xs",
     "gemv_q4i8c1",
@@ -84,9 +84,9 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::SplitBf16, 3, _, false) => "gemv_q4mmap3",
         (MmapKind::SplitBf16, _, _, true) => "gemv_q4mmap_xs",
         (MmapKind::SplitBf16, _, _, false) => "gemv_q4mmap",
-        (MmapKind::Int8, _, 1, true) => "gemv_q4i8p1_xf",
+        (MmapKind::Int8, _, 1, true) => "gemv_q4i8p1_xs",
         (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
-        (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xf",
+        (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xs",
         (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
         (MmapKind::Int8Ring, 3, 1, true) => "gemv_q4i8c1_o3_xs",
         (MmapKind::Int8Ring, 3, 1, false) => "gemv_q4i8c1_o3",
@@ -254,6 +254,10 @@ impl CudaBackend {
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
         let (scratch, counters) = self.mmap_buffers(plan)?;
+        let xf = match kind {
+            MmapKind::SplitBf16 => self.q4_mma_xprep(x, t, k)?,
+            MmapKind::Int8 | MmapKind::Int8Ring => self.q4_i8_xprep(x, t, k)?,
+        };
         let grid_per_sm = blocks_per_sm_of(kind);
         // The build that runs: staged x when it fits next to that build's ring.
         let plain = build(kind, t, grid_per_sm, false);
@@ -266,14 +270,6 @@ impl CudaBackend {
             None => (plain, plain.ring_bytes),
         };
         let name = b.name;
-        // x as the kernel reads it: the integer kernel's staged build quantises x itself
-        // (`gemv_q4i8p*_xf`); every other build reads fragments prepared by an xprep kernel.
-        let fused = kind == MmapKind::Int8 && staged.is_some();
-        let xf = match kind {
-            _ if fused => None,
-            MmapKind::SplitBf16 => Some(self.q4_mma_xprep(x, t, k)?),
-            MmapKind::Int8 | MmapKind::Int8Ring => Some(self.q4_i8_xprep(x, t, k)?),
-        };
         let f = self.func(name)?;
         // Dynamic shared memory beyond 48 KiB needs the opt-in, once per kernel for the largest
         // size its build allows.
@@ -297,7 +293,7 @@ impl CudaBackend {
             block_dim: ((WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (xfp, yp) = (xf.as_ref().map_or(x.ptr(), |f| f.ptr()), y.ptr());
+        let (xfp, yp) = (xf.ptr(), y.ptr());
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
         let (sp, cp) = (scratch.ptr(), counters.ptr());
         let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
@@ -443,9 +439,7 @@ mod tests {
                     let staged = kernel_name(kind, t, per_sm, true);
                     assert!(STAGED_KERNELS.contains(&staged), "{staged}");
                     let plain = kernel_name(kind, t, per_sm, false);
-                    // The integer kernel's staged builds quantise x themselves (`_xf`).
-                    let suffix = if kind == MmapKind::Int8 { "_xf" } else { "_xs" };
-                    assert_eq!(format!("{plain}{suffix}"), staged);
+                    assert_eq!(format!("{plain}_xs"), staged);
                 }
             }
         }
