@@ -318,13 +318,11 @@ fn main() -> Result<(), Box<dyn Error>> {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            // q4_g128: the tensor-core kernels (integer, integer with a cp.async ring, split bf16)
-            // and the SIMT one. The other formats: the default choice, and gemv_pipe as well where
+            // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one. The other formats: the default choice, and gemv_pipe as well where
             // that choice is the stream-K kernel (KVSTREAM_GEMV_SK A/B in one run).
             let paths: Vec<GemvPath> = if dt == WeightDType::Q4G128 {
                 vec![
                     GemvPath::Q4(Q4Gemv::Int8),
-                    GemvPath::Q4(Q4Gemv::Int8Ring),
                     GemvPath::Q4(Q4Gemv::MmaPersistent),
                     GemvPath::Q4(Q4Gemv::Simt),
                 ]
@@ -342,7 +340,6 @@ fn main() -> Result<(), Box<dyn Error>> {
                     GemvPath::Q4(Q4Gemv::MmaPersistent) => " (mmap)",
                     GemvPath::Q4(Q4Gemv::Simt) => " (simt)",
                     GemvPath::Q4(Q4Gemv::Int8) => " (i8)",
-                    GemvPath::Q4(Q4Gemv::Int8Ring) => " (i8c)",
                     GemvPath::Q4(Q4Gemv::Auto) => " (auto)",
                     GemvPath::Sk(_) => "",
                 };

@@ -123,12 +123,6 @@ pub const MODULES: &[KernelModule] = &[
             "gemv_q4i8p_xs",
             "gemv_q4i8p1",
             "gemv_q4i8p1_xs",
-            "gemv_q4i8c",
-            "gemv_q4i8c_xs",
-            "gemv_q4i8c1",
-            "gemv_q4i8c1_xs",
-            "gemv_q4i8c1_o3",
-            "gemv_q4i8c1_o3_xs",
         ],
     },
     KernelModule {

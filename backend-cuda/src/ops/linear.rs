@@ -156,7 +156,6 @@ impl LinearOps for CudaBackend {
                 let kind = match self.q4_gemv().resolved() {
                     q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
                     q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
-                    q4mma::Q4Gemv::Int8Ring => Some(q4mmap::MmapKind::Int8Ring),
                     q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
                 };
                 if let Some(kind) = kind {
@@ -239,7 +238,7 @@ impl CudaBackend {
     }
 
     /// The kernel a `t`-row matmul against `w` runs now (benchmarks and logs): a GEMV instance
-    /// name, the family (`gemv_q4i8p`, `gemv_q4i8c`, `gemv_q4mmap`) of a q4 tensor-core path, or
+    /// name, the family (`gemv_q4i8p`, `gemv_q4mmap`) of a q4 tensor-core path, or
     /// `gemm` (T > 8).
     pub fn matmul_kernel(&self, w: &CudaWeight, t: usize) -> &'static str {
         if w.dims.len() != 2 || t > GEMV_MAX_T {
@@ -250,7 +249,6 @@ impl CudaBackend {
             let kind = match self.q4_gemv().resolved() {
                 q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
                 q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
-                q4mma::Q4Gemv::Int8Ring => Some(q4mmap::MmapKind::Int8Ring),
                 q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
             };
             if let Some(kind) = kind {
@@ -262,7 +260,6 @@ impl CudaBackend {
                     return match kind {
                         q4mmap::MmapKind::SplitBf16 => "gemv_q4mmap",
                         q4mmap::MmapKind::Int8 => "gemv_q4i8p",
-                        q4mmap::MmapKind::Int8Ring => "gemv_q4i8c",
                     };
                 }
             }

@@ -33,9 +33,6 @@ pub enum Q4Gemv {
     /// 128-group to 24 bits and split into three bytes, exact int32 sums) in the same persistent
     /// stream-K kernel (`gemv_q4i8p*`, see [`super::q4mmap`]).
     Int8,
-    /// [`Q4Gemv::Int8`] with the weight stream in a shared-memory cp.async ring (`gemv_q4i8c*`,
-    /// same results bit for bit).
-    Int8Ring,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
     /// The integer tensor-core kernel wherever its plan exists (K a multiple of 128, aligned
@@ -69,7 +66,6 @@ fn selects(v: Option<&str>) -> Q4Gemv {
         Some("mmap") => Q4Gemv::MmaPersistent,
         Some("simt") => Q4Gemv::Simt,
         Some("i8") => Q4Gemv::Int8,
-        Some("i8c") => Q4Gemv::Int8Ring,
         _ => Q4Gemv::Auto,
     }
 }
@@ -80,7 +76,6 @@ fn code(p: Q4Gemv) -> u8 {
         Q4Gemv::MmaPersistent => 1,
         Q4Gemv::Auto => 2,
         Q4Gemv::Int8 => 3,
-        Q4Gemv::Int8Ring => 4,
     }
 }
 
@@ -89,7 +84,6 @@ fn from_code(c: u8) -> Q4Gemv {
         0 => Q4Gemv::Simt,
         1 => Q4Gemv::MmaPersistent,
         3 => Q4Gemv::Int8,
-        4 => Q4Gemv::Int8Ring,
         _ => Q4Gemv::Auto,
     }
 }
@@ -203,12 +197,7 @@ mod tests {
     #[test]
     fn auto_resolves_to_the_integer_kernel() {
         assert_eq!(Q4Gemv::Auto.resolved(), Q4Gemv::Int8);
-        for p in [
-            Q4Gemv::Simt,
-            Q4Gemv::MmaPersistent,
-            Q4Gemv::Int8,
-            Q4Gemv::Int8Ring,
-        ] {
+        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Int8] {
             assert_eq!(p.resolved(), p);
         }
     }

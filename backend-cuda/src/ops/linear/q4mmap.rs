@@ -32,49 +32,14 @@ pub(crate) enum MmapKind {
     SplitBf16,
     /// x as 24-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
     Int8,
-    /// [`MmapKind::Int8`] with the weight stream in a shared-memory cp.async ring (`gemv_q4i8c*`).
-    Int8Ring,
 }
 
-/// Environment switch (A/B) for the ring kernel's T = 1 build: `3` runs `gemv_q4i8c1_o3*`
-/// (3 blocks per SM, 4-stage ring); else 2 blocks per SM, 5 stages. The grid follows it for every
-/// T (so rows stay bit-identical across T); the T > 1 build then runs in more than one wave.
-pub const I8C_OCC_ENV: &str = "KVSTREAM_Q4_I8C_OCC";
-
-fn i8c_occ3() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var(I8C_OCC_ENV).is_ok_and(|v| v.trim() == "3"))
-}
-
-/// One build of the persistent kernel: name, resident blocks per SM it is compiled for, and the
-/// bytes of its cp.async ring (dynamic shared memory before the staged x).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Build {
-    name: &'static str,
-    per_sm: usize,
-    ring_bytes: usize,
-}
-
-/// Ring bytes of `gemv_q4i8c*` with `stages` stages: 8 warps × 32 lanes × (32 code + 8 scale bytes).
-const fn ring_bytes(stages: usize) -> usize {
-    WARPS * stages * 32 * 40
-}
-
-/// The kernels that take dynamic shared memory (staged x or a ring), in the bit order of
-/// `Q4GemvState::xs_reserved`.
-pub(crate) const STAGED_KERNELS: [&str; 12] = [
+/// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
+pub(crate) const STAGED_KERNELS: [&str; 4] = [
     "gemv_q4mmap_xs",
     "gemv_q4mmap3_xs",
     "gemv_q4i8p_xs",
     "gemv_q4i8p1_xs",
-    "gemv_q4i8c",
-    "gemv_q4i8c_xs",
-    "gemv_q4i8c1",
-    "gemv_q4i8c1_xs",
-    "gemv_q4i8c1_o3",
-    "gemv_q4i8c1_o3_xs",
-    "gemv_q4mmap",
-    "gemv_q4mmap3",
 ];
 
 /// The kernel for `kind`, `t` tokens, `per_sm` blocks per SM and x staged or not.
@@ -88,28 +53,6 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
         (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xs",
         (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
-        (MmapKind::Int8Ring, 3, 1, true) => "gemv_q4i8c1_o3_xs",
-        (MmapKind::Int8Ring, 3, 1, false) => "gemv_q4i8c1_o3",
-        (MmapKind::Int8Ring, _, 1, true) => "gemv_q4i8c1_xs",
-        (MmapKind::Int8Ring, _, 1, false) => "gemv_q4i8c1",
-        (MmapKind::Int8Ring, _, _, true) => "gemv_q4i8c_xs",
-        (MmapKind::Int8Ring, _, _, false) => "gemv_q4i8c",
-    }
-}
-
-/// The build that `kernel_name` names, with its own blocks per SM and ring.
-fn build(kind: MmapKind, t: usize, grid_per_sm: usize, staged: bool) -> Build {
-    let name = kernel_name(kind, t, grid_per_sm, staged);
-    let (per_sm, ring) = match kind {
-        MmapKind::Int8Ring if name.starts_with("gemv_q4i8c1_o3") => (3, ring_bytes(4)),
-        MmapKind::Int8Ring => (2, ring_bytes(5)),
-        MmapKind::Int8 => (2, 0),
-        MmapKind::SplitBf16 => (grid_per_sm, 0),
-    };
-    Build {
-        name,
-        per_sm,
-        ring_bytes: ring,
     }
 }
 
@@ -119,13 +62,6 @@ fn blocks_per_sm_of(kind: MmapKind) -> usize {
     match kind {
         MmapKind::SplitBf16 => blocks_per_sm(),
         MmapKind::Int8 => 2,
-        MmapKind::Int8Ring => {
-            if i8c_occ3() {
-                3
-            } else {
-                2
-            }
-        }
     }
 }
 
@@ -207,7 +143,7 @@ fn staged_x_bytes(
 ) -> Option<usize> {
     let per_token = match kind {
         MmapKind::SplitBf16 => k * 4,
-        MmapKind::Int8 | MmapKind::Int8Ring => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
+        MmapKind::Int8 => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
     };
     let bytes = t * (per_token + 16);
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
@@ -256,29 +192,21 @@ impl CudaBackend {
         let (scratch, counters) = self.mmap_buffers(plan)?;
         let xf = match kind {
             MmapKind::SplitBf16 => self.q4_mma_xprep(x, t, k)?,
-            MmapKind::Int8 | MmapKind::Int8Ring => self.q4_i8_xprep(x, t, k)?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k)?,
         };
-        let grid_per_sm = blocks_per_sm_of(kind);
-        // The build that runs: staged x when it fits next to that build's ring.
-        let plain = build(kind, t, grid_per_sm, false);
-        let staged_build = build(kind, t, grid_per_sm, true);
-        let room = staged_limit(self.max_smem_optin, staged_build.per_sm)
-            .saturating_sub(staged_build.ring_bytes);
-        let staged = staged_x_bytes(kind, t, k, usize::MAX, 1).filter(|&b| b <= room);
-        let (b, smem) = match staged {
-            Some(bytes) => (staged_build, staged_build.ring_bytes + bytes),
-            None => (plain, plain.ring_bytes),
-        };
-        let name = b.name;
+        let per_sm = blocks_per_sm_of(kind);
+        let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
+        let name = kernel_name(kind, t, per_sm, staged.is_some());
+        let smem = staged.unwrap_or(0);
         let f = self.func(name)?;
-        // Dynamic shared memory beyond 48 KiB needs the opt-in, once per kernel for the largest
-        // size its build allows.
+        // Static + dynamic shared memory beyond 48 KiB needs the opt-in, once per kernel for the
+        // largest size.
         let bit = STAGED_KERNELS
             .iter()
             .position(|&s| s == name)
             .map_or(0, |i| 1u32 << i);
         if smem > 0 && self.q4_gemv.xs_reserved.load(Ordering::Relaxed) & bit == 0 {
-            let bytes = staged_limit(self.max_smem_optin, b.per_sm);
+            let bytes = staged_limit(self.max_smem_optin, per_sm);
             allow_dynamic_smem(f, bytes).map_err(|r| {
                 OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
                     "cuda",
@@ -446,26 +374,5 @@ mod tests {
         assert_eq!(kernel_name(MmapKind::Int8, 1, 2, false), "gemv_q4i8p1");
         assert_eq!(kernel_name(MmapKind::Int8, 2, 2, false), "gemv_q4i8p");
         assert!(STAGED_KERNELS.len() <= 32);
-    }
-
-    /// Every ring build fits its blocks per SM with room for staged x at the 27B's K = 5120
-    /// (T = 1), and the 3-blocks build is only chosen for T = 1.
-    #[test]
-    fn ring_builds_fit_their_occupancy() {
-        let optin = 227 * 1024;
-        for per_sm in [2, 3] {
-            for t in 1..=8 {
-                for staged in [false, true] {
-                    let b = build(MmapKind::Int8Ring, t, per_sm, staged);
-                    assert!(b.ring_bytes > 0, "{}", b.name);
-                    assert!(STAGED_KERNELS.contains(&b.name), "{}", b.name);
-                    let room = staged_limit(optin, b.per_sm).saturating_sub(b.ring_bytes);
-                    assert!(room >= 16_016, "{}: {room}", b.name);
-                    assert_eq!(b.per_sm == 3, t == 1 && per_sm == 3, "{}", b.name);
-                }
-            }
-        }
-        assert_eq!(ring_bytes(5), 51_200);
-        assert_eq!(build(MmapKind::Int8, 1, 2, true).ring_bytes, 0);
     }
 }
