@@ -318,15 +318,21 @@ fn main() -> Result<(), Box<dyn Error>> {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one. The other formats: the default choice, and gemv_pipe as well where
-            // that choice is the stream-K kernel (KVSTREAM_GEMV_SK A/B in one run).
+            // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one. The other
+            // formats: the default choice, and the stream-K kernel as well where its Auto rule
+            // would take it (KVSTREAM_GEMV_SK A/B in one run).
+            b.set_gemv_sk(GemvSk::Auto);
+            let sk_auto = b.matmul_kernel(&wt, 1).starts_with("gemv_sk_");
+            b.set_gemv_sk(default_sk);
             let paths: Vec<GemvPath> = if dt == WeightDType::Q4G128 {
                 vec![
                     GemvPath::Q4(Q4Gemv::Int8),
                     GemvPath::Q4(Q4Gemv::MmaPersistent),
                     GemvPath::Q4(Q4Gemv::Simt),
                 ]
-            } else if b.matmul_kernel(&wt, 1).starts_with("gemv_sk_") {
+            } else if sk_auto && default_sk != GemvSk::Auto {
+                vec![GemvPath::Sk(GemvSk::Auto), GemvPath::Sk(default_sk)]
+            } else if sk_auto {
                 vec![GemvPath::Sk(default_sk), GemvPath::Sk(GemvSk::Off)]
             } else {
                 vec![GemvPath::Sk(default_sk)]

@@ -248,4 +248,5 @@ fn stream_k_switch_selects_the_kernel() {
     check("bf16 on vs off", &on, &off, &x, &w.deq, 4, n, k);
     c.gpu.set_gemv_sk(GemvSk::Auto);
     eprintln!("auto: {}", c.gpu.matmul_kernel(&w.gpu, 1));
+    c.gpu.set_gemv_sk(GemvSk::Off);
 }

@@ -17,8 +17,8 @@ use super::plan::{chunk_elems, gemv_split, GV_WARPS, ROWS_PER_TEAM};
 use kvstream_kernels::launch::GEMV_MAX_T;
 use kvstream_memory_contracts::backend::WeightDType;
 
-/// Environment variable choosing the decode GEMV of the element and 8-bit weights: `auto` (or
-/// unset, [`GemvSk::Auto`]), `on` ([`GemvSk::On`]) or `off` ([`GemvSk::Off`]).
+/// Environment variable choosing the decode GEMV of the element and 8-bit weights: `off` (or
+/// unset, [`GemvSk::Off`]), `auto` ([`GemvSk::Auto`]) or `on` ([`GemvSk::On`]).
 pub const GEMV_SK_ENV: &str = "KVSTREAM_GEMV_SK";
 
 /// Blocks per SM of the stream-K grid: the `_t1` and `_t4` instances' residency (4 blocks of 128
@@ -44,21 +44,24 @@ pub(crate) const MIN_ITEMS_PER_WARP: usize = 2;
 /// Which kernel computes a decode GEMV (T ≤ 8) of f32, f16, bf16, q8_0 or fp8_e4m3 weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvSk {
-    /// Stream-K where `gemv_pipe`'s last wave is poorly filled ([`use_stream_k`]). The default.
+    /// Stream-K where `gemv_pipe`'s last wave is poorly filled ([`use_stream_k`]). Opt-in: on
+    /// the H200 the one 27B shape it switches (17408 × 5120) measured slower under stream-K than
+    /// under `gemv_pipe` for every dtype (bf16 T = 1: 83% against 93% of HBM, graph-timed;
+    /// docs/benchmarks.md, session 6).
     Auto,
     /// Stream-K wherever the kernel can run the shape (at least one work item per warp).
     On,
-    /// Always `gemv_pipe`.
+    /// Always `gemv_pipe`. The default.
     Off,
 }
 
 impl GemvSk {
-    /// The mode an environment value selects (unset or unknown: [`GemvSk::Auto`]).
+    /// The mode an environment value selects (unset or unknown: [`GemvSk::Off`]).
     pub fn parse(v: Option<&str>) -> Self {
         match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
             Some("on" | "1") => GemvSk::On,
-            Some("off" | "0") => GemvSk::Off,
-            _ => GemvSk::Auto,
+            Some("auto") => GemvSk::Auto,
+            _ => GemvSk::Off,
         }
     }
 
@@ -195,11 +198,11 @@ mod tests {
 
     #[test]
     fn env_values_parse() {
-        assert_eq!(GemvSk::parse(None), GemvSk::Auto);
+        assert_eq!(GemvSk::parse(None), GemvSk::Off);
         assert_eq!(GemvSk::parse(Some("auto")), GemvSk::Auto);
         assert_eq!(GemvSk::parse(Some(" ON ")), GemvSk::On);
         assert_eq!(GemvSk::parse(Some("off")), GemvSk::Off);
-        assert_eq!(GemvSk::parse(Some("bogus")), GemvSk::Auto);
+        assert_eq!(GemvSk::parse(Some("bogus")), GemvSk::Off);
         for m in [GemvSk::Auto, GemvSk::On, GemvSk::Off] {
             assert_eq!(GemvSk::from_code(m.code()), m);
         }
