@@ -297,15 +297,18 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q
 // but the products run as mma.m16n8k32.u8.s8 (exact int32) and a code costs 3/8 instruction to
 // unpack instead of ~1.4, and one MMA covers 512 codes instead of 256.
 //
-// x: per (token t, 128-group G) `gemv_q4i8_xprep` rounds x to X = rint(x / xs), xs = amax / QI_M,
-// |X| ≤ QI_M = 0x7f7f7f, and splits X exactly into three signed bytes X = 65536·x2 + 256·x1 + x0
-// (x0, x1, x2 in [-127, 127]): 24 significant bits relative to the group's largest |x|.
+// x: per (token t, 128-group G) `gemv_q4i8_xprep` rounds x to X = rint(x / xs) with the power of
+// two xs = 2^(e − 22), amax < 2^e ≤ 2·amax, so |X| < 2^22 ≤ QI_M = 0x7f7f7f, and splits X exactly
+// into three signed bytes X = 65536·x2 + 256·x1 + x0 (x0, x1, x2 in [-127, 127]): 22 significant
+// bits relative to the group's largest |x|. A power of two keeps every scaling exact: values
+// that are multiples of xs (one-hot, small integers) give exactly the CPU's f32(d)·q·x. Groups
+// whose largest |x| is below 2^-127 get xs = 0 (their products flush to zero).
 // Codes enter unsigned (u = q + 8 = the stored nibble, as u8), so per item and part p the MMA
 // chain gives C_p = Σ u·x_p exactly, and the group's value is
 //   Σ q·X = 65536·(C2 − 8·S2) + (256·C1 + C0 − 8·S10),  S2 = Σ x2, S10 = Σ (256·x1 + x0)
 // (xprep stores −8·S2 and −8·S10); both brackets are exact int32 (|C2| ≤ 128·15·127), the f32
 // combination rounds once, then acc = fmaf(v, xs·d, acc), groups ascending.
-// Error per output ≤ Σ_G (xs_G / 2)·Σ_{k∈G}|w_k| + f32 rounding: 2^-24 of the group's largest |x|
+// Error per output ≤ Σ_G (xs_G / 2)·Σ_{k∈G}|w_k| + f32 rounding: ≤ 2^-22 of the group's largest |x|
 // per weight (the split-bf16 kernel: 2^-17 of each |x|); NaN or ±inf in a group makes xs NaN.
 //
 // Fragments (m16n8k32, row.col): lane (g, tq) holds A bytes (row g: a0 = k-slots 4tq..4tq+3, a2 =
@@ -330,14 +333,17 @@ extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* _
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
     const bool any_bad = __any_sync(0xffffffffu, bad);
-    const float inv = (am > 0.0f && !any_bad) ? (float)QI_M / am : 0.0f;
-    const float xs = any_bad ? __int_as_float(0x7fc00000) : am / (float)QI_M;
+    // am = f·2^e, f in [0.5, 1): xs = 2^(e - 22), x / xs = ldexpf(x, 22 - e) exactly.
+    int e = 0;
+    const bool scaled = am > 0.0f && !any_bad;
+    if (scaled) frexpf(am, &e);
+    const float xs = any_bad ? __int_as_float(0x7fc00000) : (scaled ? ldexpf(1.0f, e - 22) : 0.0f);
     const float vals[4] = {v.x, v.y, v.z, v.w};
     u32 part[3] = {0u, 0u, 0u};  // per part: b0 half (bytes of values 0, 2) | b1 half << 16 (1, 3)
     int s2 = 0, s10 = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        int X = __float2int_rn(vals[i] * inv);
+        int X = scaled ? __float2int_rn(ldexpf(vals[i], 22 - e)) : 0;
         X = X > QI_M ? QI_M : (X < -QI_M ? -QI_M : X);
         const int x0 = (int)(i8)(X & 0xff);
         const int r = (X - x0) >> 8;

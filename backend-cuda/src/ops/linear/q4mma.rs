@@ -30,7 +30,7 @@ pub enum Q4Gemv {
     /// stream-K kernel (`gemv_q4mmap*`, see [`super::q4mmap`]).
     MmaPersistent,
     /// Tensor cores on integers (mma.m16n8k32.u8.s8: the stored nibbles times x rounded per
-    /// 128-group to 24 bits and split into three bytes, exact int32 sums) in the same persistent
+    /// 128-group to 22 bits (power-of-two scale) in three bytes, exact int32 sums) in the same persistent
     /// stream-K kernel (`gemv_q4i8p*`, see [`super::q4mmap`]).
     Int8,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
@@ -139,7 +139,7 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// x rounded per (token, 128-group) to 24-bit integers split into three signed bytes, in the
+    /// x rounded per (token, 128-group) to 22-bit integers (power-of-two scale) split into three signed bytes, in the
     /// integer MMA fragment order (`gemv_q4i8_xprep`): 400 bytes per group and token.
     pub(crate) fn q4_i8_xprep(
         &self,

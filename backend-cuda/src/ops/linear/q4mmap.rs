@@ -30,7 +30,7 @@ pub const MMAP_OCC_ENV: &str = "KVSTREAM_Q4_MMAP_OCC";
 pub(crate) enum MmapKind {
     /// x as split bf16 (hi + lo), codes as exact bf16, mma.m16n8k16 (`gemv_q4mmap*`).
     SplitBf16,
-    /// x as 24-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
+    /// x as 22-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
     Int8,
 }
 
