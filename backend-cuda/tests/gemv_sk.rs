@@ -6,7 +6,7 @@
 //! GPU machine with `--ignored`.
 
 use kvstream_backend_cpu::CpuBackend;
-use kvstream_backend_cuda::{CudaBackend, CudaWeight, GemvSk, Q4Gemv};
+use kvstream_backend_cuda::{CudaBackend, CudaWeight, GemvSk, Q4Gemv, STREAM_K_DTYPES};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::ops::*;
 use kvstream_memory_contracts::{dequantize, quantize};
@@ -14,16 +14,10 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{gpu, rnd};
+use common::{assert_rows_independent_of_width, gpu, rnd};
 
 /// The dtypes with stream-K instances.
-const SK_DTYPES: [WeightDType; 5] = [
-    WeightDType::F32,
-    WeightDType::F16,
-    WeightDType::Bf16,
-    WeightDType::Q8_0,
-    WeightDType::F8E4M3,
-];
+const SK_DTYPES: [WeightDType; 5] = STREAM_K_DTYPES;
 
 /// Shapes `(n, k)` that run stream-K with shared units on a 132-SM H200 (at least one item per
 /// warp of the 2,112, ≥ 3,150 items for every dtype): N even but not a multiple of 8, odd N, K
@@ -155,27 +149,16 @@ fn stream_k_rows_are_bit_identical_for_every_width() {
         for (n, k) in shapes_for(dt) {
             let w = c.weight(&mut rng, dt, n, k);
             let x = rnd(&mut rng, 8 * k, 1.0);
-            let full = bits(&c.run(&w.gpu, &x, 8, k));
+            let full = c.run(&w.gpu, &x, 8, k);
             assert_eq!(
                 bits(&c.run(&w.gpu, &x, 8, k)),
-                full,
+                bits(&full),
                 "{dt} [{n}x{k}]: a repeated T=8 call differs"
             );
-            for t in 1..=8 {
-                let part = bits(&c.run(&w.gpu, &x[..t * k], t, k));
-                assert_eq!(
-                    part[..],
-                    full[..t * n],
-                    "{dt} [{n}x{k}]: T={t} differs from T=8"
-                );
-                let one = bits(&c.run(&w.gpu, &x[(t - 1) * k..t * k], 1, k));
-                assert_eq!(
-                    one[..],
-                    full[(t - 1) * n..t * n],
-                    "{dt} [{n}x{k}]: row {} alone differs",
-                    t - 1
-                );
-            }
+            let what = format!("{dt} [{n}x{k}]");
+            assert_rows_independent_of_width(&what, n, k, &x, &full, |rows, t| {
+                c.run(&w.gpu, rows, t, k)
+            });
         }
     }
 }

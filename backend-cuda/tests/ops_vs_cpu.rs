@@ -14,7 +14,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{gpu, rnd};
+use common::{assert_rows_independent_of_width, gpu, rnd};
 
 fn weight_bytes(vals: &[f32], dims: &[usize], dt: WeightDType) -> Vec<u8> {
     match quantize(dt, vals, dims) {
@@ -470,28 +470,13 @@ fn gemv_rows_are_bit_identical_for_every_width() {
             let w = heavy(&mut rng, n * k, 0.5);
             let (_, wg) = p.w(&w, &[n, k], dt);
             let x = rnd(&mut rng, 8 * k, 1.0);
-            let run = |rows: &[f32], t: usize| -> Vec<u32> {
+            let run = |rows: &[f32], t: usize| -> Vec<f32> {
                 let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
                 let y = p.gpu.matmul(&xg, &wg).expect("gemv");
-                let y = p.gpu.tensor_to_f32(&y).expect("y");
-                y.iter().map(|v| v.to_bits()).collect()
+                p.gpu.tensor_to_f32(&y).expect("y")
             };
             let full = run(&x, 8);
-            for t in 1..=8 {
-                let part = run(&x[..t * k], t);
-                assert_eq!(
-                    part[..],
-                    full[..t * n],
-                    "{dt} [{n}x{k}]: T={t} differs from T=8"
-                );
-                let one = run(&x[(t - 1) * k..t * k], 1);
-                assert_eq!(
-                    one[..],
-                    full[(t - 1) * n..t * n],
-                    "{dt} [{n}x{k}]: row {} alone differs",
-                    t - 1
-                );
-            }
+            assert_rows_independent_of_width(&format!("{dt} [{n}x{k}]"), n, k, &x, &full, run);
         }
     }
 }
@@ -538,18 +523,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
                 .expect("y cpu");
             let what = format!("q4 {path:?} [{n}x{k}]");
             check_gemm(&what, &full, &c, &x, &wd, 8, n, k, f32_bound);
-            for t in 1..=8 {
-                let part = run(&x[..t * k], t);
-                let same = part
-                    .iter()
-                    .zip(&full)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{path:?} [{n}x{k}]: T={t} differs from T=8");
-                let one = run(&x[(t - 1) * k..t * k], 1);
-                let row = &full[(t - 1) * n..t * n];
-                let same = one.iter().zip(row).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{path:?} [{n}x{k}]: row {} alone differs", t - 1);
-            }
+            assert_rows_independent_of_width(&what, n, k, &x, &full, run);
         }
     }
     p.gpu.set_q4_gemv(Q4Gemv::Auto);

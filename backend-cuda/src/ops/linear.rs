@@ -153,12 +153,7 @@ impl LinearOps for CudaBackend {
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
             if w.dtype == WeightDType::Q4G128 {
-                let kind = match self.q4_gemv().resolved() {
-                    q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
-                    q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
-                    q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
-                };
-                if let Some(kind) = kind {
+                if let Some(kind) = q4mmap::MmapKind::for_path(self.q4_gemv()) {
                     if let Some(plan) = self.q4_mmap_plan(kind, n, k, wp, soff) {
                         self.gemv_q4_mmap(plan, kind, x, wp, soff, &out, t, n, k)?;
                         return Ok(out);
@@ -246,12 +241,7 @@ impl CudaBackend {
         }
         let (n, k) = (w.dims[0], w.dims[1]);
         if w.dtype == WeightDType::Q4G128 {
-            let kind = match self.q4_gemv().resolved() {
-                q4mma::Q4Gemv::MmaPersistent => Some(q4mmap::MmapKind::SplitBf16),
-                q4mma::Q4Gemv::Int8 => Some(q4mmap::MmapKind::Int8),
-                q4mma::Q4Gemv::Simt | q4mma::Q4Gemv::Auto => None,
-            };
-            if let Some(kind) = kind {
+            if let Some(kind) = q4mmap::MmapKind::for_path(self.q4_gemv()) {
                 let planned = scales_offset("matmul", w)
                     .ok()
                     .and_then(|soff| self.q4_mmap_plan(kind, n, k, w.ptr(), soff))

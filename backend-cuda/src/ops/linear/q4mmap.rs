@@ -34,6 +34,17 @@ pub(crate) enum MmapKind {
     Int8,
 }
 
+impl MmapKind {
+    /// The persistent kernel a q4_g128 path runs (Auto resolved), `None` for SIMT.
+    pub(crate) fn for_path(path: super::q4mma::Q4Gemv) -> Option<Self> {
+        match path.resolved() {
+            super::q4mma::Q4Gemv::MmaPersistent => Some(MmapKind::SplitBf16),
+            super::q4mma::Q4Gemv::Int8 => Some(MmapKind::Int8),
+            super::q4mma::Q4Gemv::Simt | super::q4mma::Q4Gemv::Auto => None,
+        }
+    }
+}
+
 /// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
 pub(crate) const STAGED_KERNELS: [&str; 4] = [
     "gemv_q4mmap_xs",

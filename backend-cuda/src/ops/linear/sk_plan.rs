@@ -118,9 +118,19 @@ impl SkSplit {
     }
 }
 
-/// Whether linear.cu has stream-K instances for `d` (the q4_g128 SIMT path keeps `gemv_pipe`).
+/// The weight dtypes linear.cu has stream-K instances for (the q4_g128 SIMT path keeps
+/// `gemv_pipe`).
+pub const STREAM_K_DTYPES: [WeightDType; 5] = [
+    WeightDType::F32,
+    WeightDType::F16,
+    WeightDType::Bf16,
+    WeightDType::Q8_0,
+    WeightDType::F8E4M3,
+];
+
+/// Whether linear.cu has stream-K instances for `d`.
 fn has_instances(d: WeightDType) -> bool {
-    !matches!(d, WeightDType::Q4G128)
+    STREAM_K_DTYPES.contains(&d)
 }
 
 /// The stream-K split of an `[n, k]` weight of `d` on `sms` multiprocessors: `sms ·
@@ -188,13 +198,7 @@ mod tests {
     use super::super::streamk::{owner, start};
     use super::*;
 
-    const SK_DTYPES: [WeightDType; 5] = [
-        WeightDType::F32,
-        WeightDType::F16,
-        WeightDType::Bf16,
-        WeightDType::Q8_0,
-        WeightDType::F8E4M3,
-    ];
+    const SK_DTYPES: [WeightDType; 5] = STREAM_K_DTYPES;
 
     #[test]
     fn env_values_parse() {
