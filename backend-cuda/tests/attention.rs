@@ -308,3 +308,42 @@ fn fast_decode_kernel_streamed_equals_resident_bit_for_bit() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_decode_verification_rows_equal_single_query_steps_bit_for_bit() {
+    // MTP verification evaluates the width-4 row of query qi over the tokens a single-query
+    // decode step at that position sees; greedy MTP equals greedy decoding only if the two are the
+    // same bits. 27B geometry (6 query heads per KV head, 4 KV heads, head_dim 256, 256-token
+    // pages), long enough that both shapes get the same splits.
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    let (group, kv_heads, head_dim, width) = (6usize, 4usize, 256usize, 4usize);
+    let total = 40_000 + rng.random_range(0..256);
+    let g = PageGeometry::new(256, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+    let sh = q8q4_shape(group, kv_heads, head_dim, width, total);
+    assert!(gpu.attention_uses_fast_path(&sh, &g));
+    let img = image(&g, total, &mut rng);
+    let q: Vec<f32> = (0..sh.query_len())
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let pages = g.pages_for(total);
+    let wide = run(&gpu, sh, &g, &img, &q, &[vec![(0, pages)]]);
+    let row = sh.q_heads * head_dim;
+    for qi in 0..width {
+        let t1 = total - width + qi + 1;
+        let s1 = q8q4_shape(group, kv_heads, head_dim, 1, t1);
+        assert_eq!(gpu.attn_splits(&s1), gpu.attn_splits(&sh), "splits differ");
+        let q1 = &q[qi * row..(qi + 1) * row];
+        let one = run(&gpu, s1, &g, &img, q1, &[vec![(0, g.pages_for(t1))]]);
+        assert!(one.iter().any(|x| *x != 0.0));
+        assert_eq!(
+            one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            wide[qi * row..(qi + 1) * row]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>(),
+            "query {qi}: verification row differs from the single-query step"
+        );
+    }
+}
