@@ -511,6 +511,20 @@ fn main() -> Result<(), Box<dyn Error>> {
             gsecs * 1e6,
             100.0 * pool_bytes as f64 / gsecs / 1e9 / hbm
         )?;
+        // The finish (split combine) alone, on the state the accumulate launches left.
+        let fsecs = time_graph(&b, 20, 10, || {
+            let _out =
+                kvstream_memory_contracts::attention::StreamedAttention::attn_finish_unchecked(
+                    &b, &shape, &state,
+                )?;
+            Ok(())
+        })?;
+        out!(
+            report,
+            "attention q8_0/q4_0 64Ki tokens width {width}: finish kernel in a graph {:.1} us ({} splits)",
+            fsecs * 1e6,
+            b.attn_splits(&shape).count
+        )?;
         out!(
             report,
             "attention q8_0/q4_0 64Ki tokens width {width} ({path}): evaluation {:.1} us, \

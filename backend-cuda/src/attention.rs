@@ -18,8 +18,8 @@ use crate::ops::kv_code;
 use crate::{CudaBackend, CudaBuffer, CudaTensor};
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
 use kvstream_kernels::launch::{
-    ATT_FAST_CHUNK, ATT_FAST_ROWS, ATT_FAST_SROW, ATT_FAST_THREADS, ATT_MAX_SPLITS, ATT_QW,
-    ATT_THREADS, ATT_TILE,
+    ATT_FAST_CHUNK, ATT_FAST_ROWS, ATT_FAST_SROW, ATT_FAST_THREADS, ATT_FINISH_DIMS,
+    ATT_FINISH_THREADS, ATT_MAX_SPLITS, ATT_QW, ATT_THREADS, ATT_TILE,
 };
 use kvstream_memory_contracts::attention::{AttentionShape, StreamedAttention};
 use kvstream_memory_contracts::backend::DeviceTensor;
@@ -555,12 +555,12 @@ impl StreamedAttention for CudaBackend {
             shape.head_dim as i32,
         );
         let cfg = LaunchConfig {
-            grid_dim: ((shape.width * shape.q_heads) as u32, 1, 1),
-            block_dim: (
-                shape.head_dim.clamp(32, 256).next_multiple_of(32) as u32,
-                1,
+            grid_dim: (
+                (shape.width * shape.q_heads) as u32,
+                shape.head_dim.div_ceil(ATT_FINISH_DIMS) as u32,
                 1,
             ),
+            block_dim: (ATT_FINISH_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut a = args![&sp, &op, &ns, &w, &h, &d];

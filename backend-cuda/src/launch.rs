@@ -166,6 +166,51 @@ impl CudaBackend {
         }
         .map_err(dev(op))
     }
+
+    /// Launches `f` like [`CudaBackend::launch`] but as a programmatic dependent launch: the
+    /// kernel may start while the previous kernel on the stream is still running (once that one
+    /// executes `griddepcontrol.launch_dependents`, or when it finishes), and must execute
+    /// `griddepcontrol.wait` before it touches anything that kernel writes. Only for kernels built
+    /// for it (the q4 tensor-core GEMVs after their x-prep kernel).
+    pub(crate) fn launch_dependent(
+        &self,
+        op: &'static str,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), OpError> {
+        use cudarc::driver::sys;
+        let _span = tracing::trace_span!("launch_dependent", op).entered();
+        self.ctx.bind_to_thread().map_err(dev(op))?;
+        // SAFETY: an all-zero CUlaunchAttribute is a valid (ignored) attribute; id and value are
+        // set below to the programmatic-serialization pair.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.compute.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch`; `config` and `attr` outlive the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(dev(op))
+    }
 }
 
 /// Builds a kernel argument array from references: `args![a, b, c]`.

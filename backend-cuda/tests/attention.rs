@@ -320,7 +320,8 @@ fn fast_decode_verification_rows_equal_single_query_steps_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(21);
     let (group, kv_heads, head_dim, width) = (6usize, 4usize, 256usize, 4usize);
     let total = 40_000 + rng.random_range(0..256);
-    let g = PageGeometry::new(256, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0).expect("geometry");
+    let g =
+        PageGeometry::new(256, kv_heads, head_dim, KvType::Q8_0, KvType::Q4_0).expect("geometry");
     let sh = q8q4_shape(group, kv_heads, head_dim, width, total);
     assert!(gpu.attention_uses_fast_path(&sh, &g));
     let img = image(&g, total, &mut rng);

@@ -205,6 +205,10 @@ pub mod launch {
     pub const ATT_THREADS: usize = 256;
     /// Most splits of one evaluation (`attn_finish` holds one weight per split in shared memory).
     pub const ATT_MAX_SPLITS: usize = 256;
+    /// Dims per block of `attn_finish` (`ATT_FINISH_DIMS`; grid y = ceil(head_dim / 32)).
+    pub const ATT_FINISH_DIMS: usize = 32;
+    /// Threads per block of `attn_finish`: 8 split groups × 32 dims (`ATT_FINISH_GROUPS`).
+    pub const ATT_FINISH_THREADS: usize = 256;
     /// Tokens per chunk of the fast Q8_0/Q4_0 decode kernel (`attn_q8q4_n*_d*`, `FA_CHUNK`);
     /// pages must hold at least this many tokens for the fast kernel.
     pub const ATT_FAST_CHUNK: usize = 64;

@@ -62,6 +62,16 @@ __device__ __forceinline__ u32 qm_word(const uint4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
+// Programmatic dependent launch (sm_90): the x-prep kernels let the GEMV that follows them start
+// at once (`qm_grid_launch_dependents`); the GEMV streams its first weights, then waits for the
+// x-prep grid's completion and memory (`qm_grid_wait`) before it reads x. Both are no-ops for a
+// kernel launched without the programmatic-serialization attribute.
+__device__ __forceinline__ void qm_grid_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void qm_grid_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // Streaming 16-byte load (read once: no L1 allocation).
 __device__ __forceinline__ uint4 qm_ld_stream(const u8* p) {
     uint4 v;
@@ -77,6 +87,7 @@ __device__ __forceinline__ uint4 qm_ld_stream(const u8* p) {
 // token column (tq = 0..3) read 64 contiguous bytes per step (no bank or sector conflicts).
 // K % 128 == 0.
 extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    qm_grid_launch_dependents();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // = t * K/8 + k/8
     if (i >= (u64)T * (K / 8)) return;
     const float4 a = ((const float4*)x)[2 * i];
@@ -183,13 +194,9 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     const u32 gw = blockIdx.x * QM_WARPS + warp;
     const u32 work = tiles * NG;  // the launcher keeps it below 2^31
     const u32 tstride = XS ? NG * 32u + 1u : NG * 32u;
-    if (XS) {
-        const u32 per = NG * 32u, n = (u32)T * per;
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
-        __syncthreads();
-    }
+    // A warp without items (i0 == i1) computes pointers but loads nothing, then leaves after the
+    // staging barrier.
     const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
-    if (i0 >= i1) return;
     const u32 first_tile = i0 / NG;
     // x fragments of token column g (dead columns g >= T read token 0; never stored).
     const uint4* xq = (XS ? (const uint4*)qp_xs : xf) + (u64)(g < T ? g : 0) * tstride + tq;
@@ -232,7 +239,14 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
         }
     };
 #pragma unroll
-    for (int s = 0; s < QP_P; s++) load(s);
+    for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
+    qm_grid_wait();                          // x from here on
+    if (XS) {
+        const u32 per = NG * 32u, n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
+        __syncthreads();
+    }
+    if (i0 >= i1) return;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 ct = first_tile, cg = i0 % NG;
@@ -324,6 +338,7 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q
 
 // x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
 extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    qm_grid_launch_dependents();
     const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
     const int lane = threadIdx.x & 31;
     if (gi >= (u64)T * (K / 128)) return;  // warp-uniform
@@ -413,13 +428,9 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     const u32 work = tiles * NG;
     const u32 per = NG * QI_U4;
     const u32 tstride = XS ? per + 1u : per;
-    if (XS) {
-        const u32 n = (u32)T * per;
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
-        __syncthreads();
-    }
+    // A warp without items (i0 == i1) computes pointers but loads nothing, then leaves after the
+    // staging barrier.
     const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
-    if (i0 >= i1) return;
     const u32 first_tile = i0 / NG;
     const uint4* xsrc = XS ? (const uint4*)qp_xs : xf;
     // B fragments: token column g; metadata: the C columns 2tq, 2tq + 1 (dead ones read token 0).
@@ -465,7 +476,14 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
         }
     };
 #pragma unroll
-    for (int s = 0; s < QP_P; s++) load(s);
+    for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
+    qm_grid_wait();                          // x from here on
+    if (XS) {
+        const u32 n = (u32)T * per;
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
+        __syncthreads();
+    }
+    if (i0 >= i1) return;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 ct = first_tile, cg = i0 % NG;

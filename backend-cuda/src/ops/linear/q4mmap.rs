@@ -236,8 +236,23 @@ impl CudaBackend {
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
         let (sp, cp) = (scratch.ptr(), counters.ptr());
         let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
-        self.launch("gemv", f, cfg, &mut a)
+        if dependent_launch() {
+            self.launch_dependent("gemv", f, cfg, &mut a)
+        } else {
+            self.launch("gemv", f, cfg, &mut a)
+        }
     }
+}
+
+/// Environment switch for the programmatic dependent launch of the q4 tensor-core GEMVs after
+/// their x-prep kernel (`0` turns it off; default on).
+pub const Q4_PDL_ENV: &str = "KVSTREAM_Q4_PDL";
+
+/// Whether the GEMV launches as a programmatic dependent of its x-prep kernel: its blocks start
+/// while x-prep runs and stream their first weights before `griddepcontrol.wait` (gemv_mma.cu).
+fn dependent_launch() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(Q4_PDL_ENV).map_or(true, |v| v != "0"))
 }
 
 #[cfg(test)]
