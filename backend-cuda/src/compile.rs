@@ -51,11 +51,48 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvstream/kernels"))
 }
 
+/// Environment variable of extra preprocessor definitions for every kernel module, for A/B
+/// measurements of compile-time kernel variants: `NAME=VALUE` pairs separated by commas (e.g.
+/// `QM_L2_HINT=256`). Part of the cache key.
+pub const NVRTC_DEFINES_ENV: &str = "KVSTREAM_NVRTC_DEFINES";
+
+/// `-DNAME=VALUE` options from [`NVRTC_DEFINES_ENV`]; entries that are not `NAME=VALUE` with a
+/// C identifier and an alphanumeric value are ignored (with a warning).
+fn extra_defines() -> Vec<String> {
+    let Ok(v) = std::env::var(NVRTC_DEFINES_ENV) else {
+        return Vec::new();
+    };
+    parse_defines(&v)
+}
+
+fn parse_defines(v: &str) -> Vec<String> {
+    let ident = |s: &str| {
+        !s.is_empty()
+            && !s.starts_with(|c: char| c.is_ascii_digit())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    v.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .filter_map(|e| match e.split_once('=') {
+            Some((n, val))
+                if ident(n) && !val.is_empty() && val.chars().all(|c| c.is_ascii_alphanumeric()) =>
+            {
+                Some(format!("-D{n}={val}"))
+            }
+            _ => {
+                tracing::warn!(entry = e, "{NVRTC_DEFINES_ENV}: ignoring an entry that is not NAME=VALUE");
+                None
+            }
+        })
+        .collect()
+}
+
 /// The cache key of `module` for `arch` (e.g. `sm_90`) and NVRTC `version`.
 pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> String {
     let mut h = Sha256::new();
     h.update(module.full_source().as_bytes());
-    for o in NVRTC_OPTIONS {
+    for o in NVRTC_OPTIONS.iter().map(|s| s.to_string()).chain(extra_defines()) {
         h.update(o.as_bytes());
         h.update([0u8]);
     }
@@ -109,6 +146,7 @@ fn compile_uncached(module: &KernelModule, arch: &str) -> Result<Vec<u8>, Compil
         .map_err(|e| nvrtc_err(name, format!("create: {e:?}")))?;
     let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
     opts.extend(NVRTC_OPTIONS.iter().map(|s| s.to_string()));
+    opts.extend(extra_defines());
     // SAFETY: `prog` was just created and is destroyed exactly once below.
     let compiled = unsafe { nvrtc_result::compile_program(prog, &opts) };
     let out = match compiled {
@@ -149,6 +187,16 @@ fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_defines_accept_only_name_value_pairs() {
+        assert_eq!(
+            parse_defines("QM_L2_HINT=256, FA_L2_HINT=128"),
+            vec!["-DQM_L2_HINT=256", "-DFA_L2_HINT=128"]
+        );
+        assert!(parse_defines("").is_empty());
+        assert!(parse_defines("1X=2,NOVALUE,A=,B=x y,C=-1").is_empty());
+    }
 
     #[test]
     fn cache_key_depends_on_source_arch_and_version() {
