@@ -32,6 +32,9 @@ pub(crate) enum MmapKind {
     SplitBf16,
     /// x as 22-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
     Int8,
+    /// The integer kernel for q4_nl_g128: codes looked up as int8 levels, mma.m16n8k32.s8.s8
+    /// (`gemv_q4nli8p*`, x prepared by `gemv_q4nl_i8_xprep`).
+    Int8Nl,
 }
 
 impl MmapKind {
@@ -43,14 +46,31 @@ impl MmapKind {
             super::q4mma::Q4Gemv::Simt | super::q4mma::Q4Gemv::Auto => None,
         }
     }
+
+    /// The persistent kernel a 4-bit weight of `dtype` runs on `path`: q4_g128 as
+    /// [`Self::for_path`]; q4_nl_g128 has the integer kernel only (the split-bf16 path runs it on
+    /// the SIMT kernels); `None` for SIMT and for other dtypes.
+    pub(crate) fn for_weight(
+        path: super::q4mma::Q4Gemv,
+        dtype: kvstream_memory_contracts::backend::WeightDType,
+    ) -> Option<Self> {
+        use kvstream_memory_contracts::backend::WeightDType;
+        match (dtype, Self::for_path(path)?) {
+            (WeightDType::Q4G128, kind) => Some(kind),
+            (WeightDType::Q4NlG128, MmapKind::Int8) => Some(MmapKind::Int8Nl),
+            _ => None,
+        }
+    }
 }
 
 /// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
-pub(crate) const STAGED_KERNELS: [&str; 4] = [
+pub(crate) const STAGED_KERNELS: [&str; 6] = [
     "gemv_q4mmap_xs",
     "gemv_q4mmap3_xs",
     "gemv_q4i8p_xs",
     "gemv_q4i8p1_xs",
+    "gemv_q4nli8p_xs",
+    "gemv_q4nli8p1_xs",
 ];
 
 /// The kernel for `kind`, `t` tokens, `per_sm` blocks per SM and x staged or not.
@@ -64,6 +84,10 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
         (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xs",
         (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
+        (MmapKind::Int8Nl, _, 1, true) => "gemv_q4nli8p1_xs",
+        (MmapKind::Int8Nl, _, 1, false) => "gemv_q4nli8p1",
+        (MmapKind::Int8Nl, _, _, true) => "gemv_q4nli8p_xs",
+        (MmapKind::Int8Nl, _, _, false) => "gemv_q4nli8p",
     }
 }
 
@@ -72,7 +96,7 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
 fn blocks_per_sm_of(kind: MmapKind) -> usize {
     match kind {
         MmapKind::SplitBf16 => blocks_per_sm(),
-        MmapKind::Int8 => 2,
+        MmapKind::Int8 | MmapKind::Int8Nl => 2,
     }
 }
 
@@ -154,7 +178,7 @@ fn staged_x_bytes(
 ) -> Option<usize> {
     let per_token = match kind {
         MmapKind::SplitBf16 => k * 4,
-        MmapKind::Int8 => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
+        MmapKind::Int8 | MmapKind::Int8Nl => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
     };
     let bytes = t * (per_token + 16);
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
@@ -203,7 +227,8 @@ impl CudaBackend {
         let (scratch, counters) = self.mmap_buffers(plan)?;
         let xf = match kind {
             MmapKind::SplitBf16 => self.q4_mma_xprep(x, t, k)?,
-            MmapKind::Int8 => self.q4_i8_xprep(x, t, k)?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep")?,
+            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep")?,
         };
         let per_sm = blocks_per_sm_of(kind);
         let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
@@ -372,7 +397,7 @@ mod tests {
 
     #[test]
     fn every_staged_kernel_has_a_reservation_bit_and_names_match_the_build() {
-        for kind in [MmapKind::SplitBf16, MmapKind::Int8] {
+        for kind in [MmapKind::SplitBf16, MmapKind::Int8, MmapKind::Int8Nl] {
             for t in 1..=8 {
                 for per_sm in [2, 3] {
                     let staged = kernel_name(kind, t, per_sm, true);
@@ -384,6 +409,35 @@ mod tests {
         }
         assert_eq!(kernel_name(MmapKind::Int8, 1, 2, false), "gemv_q4i8p1");
         assert_eq!(kernel_name(MmapKind::Int8, 2, 2, false), "gemv_q4i8p");
+        assert_eq!(kernel_name(MmapKind::Int8Nl, 1, 2, false), "gemv_q4nli8p1");
+        for name in STAGED_KERNELS {
+            assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
+            assert!(
+                kvstream_kernels::module_of(&name[..name.len() - 3]).is_some(),
+                "{name}"
+            );
+        }
+        // q4_nl_g128 runs the integer kernel on the integer and Auto paths, SIMT otherwise.
+        use super::super::q4mma::Q4Gemv;
+        use kvstream_memory_contracts::backend::WeightDType;
+        let nl = WeightDType::Q4NlG128;
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Auto, nl),
+            Some(MmapKind::Int8Nl)
+        );
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Int8, nl),
+            Some(MmapKind::Int8Nl)
+        );
+        assert_eq!(MmapKind::for_weight(Q4Gemv::MmaPersistent, nl), None);
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Simt, nl), None);
+        let q4 = WeightDType::Q4G128;
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Auto, q4), Some(MmapKind::Int8));
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::MmaPersistent, q4),
+            Some(MmapKind::SplitBf16)
+        );
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Auto, WeightDType::Q8_0), None);
         assert!(STAGED_KERNELS.len() <= 32);
     }
 }
