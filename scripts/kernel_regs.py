@@ -6,7 +6,8 @@ Usage: python3 scripts/kernel_regs.py [--arch sm_90] [--lib libnvrtc.so.13] [--s
 Compiles each module like scripts/check_kernels.py (common.cuh + <module>.cu, the same options)
 but to a cubin for a real architecture, and reads every kernel's register count from the
 cubin's `.nv.info` records (EIATTR_REGCOUNT). `--src DIR` reads the .cu files from another
-checkout (A/B of two trees). Prints `kernel regs` for the kernels matching REGEX (default: all).
+checkout (A/B of two trees). Prints `kernel regs frame` for the kernels matching REGEX (default: all); a frame > 0 means
+spills or local arrays.
 """
 import argparse
 import ctypes
@@ -21,8 +22,9 @@ import check_kernels  # noqa: E402
 
 
 def elf_regs(cubin):
-    """kernel name -> registers, from a 64-bit little-endian CUDA ELF: the EIATTR_REGCOUNT
-    (0x2f) records of the `.nv.info` sections, (symbol index, count) each."""
+    """kernel name -> (registers, frame bytes), from a 64-bit little-endian CUDA ELF: the
+    EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11) records of the `.nv.info` sections,
+    (symbol index, value) each."""
     (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     secs = []
@@ -53,9 +55,10 @@ def elf_regs(cubin):
             if fmt == 0x04:  # EIFMT_SVAL: u16 size, data
                 (sz,) = struct.unpack_from("<H", cubin, at)
                 at += 2
-                if attr == 0x2F and sz == 8:
-                    sym, regs = struct.unpack_from("<II", cubin, at)
-                    out[names.get(sym, f"sym{sym}")] = regs
+                if attr in (0x2F, 0x11) and sz == 8:  # REGCOUNT, FRAME_SIZE (spills, local arrays)
+                    sym, v = struct.unpack_from("<II", cubin, at)
+                    regs, frame = out.get(names.get(sym, f"sym{sym}"), (0, 0))
+                    out[names.get(sym, f"sym{sym}")] = (v, frame) if attr == 0x2F else (regs, v)
                 at += sz
             elif fmt == 0x03:  # EIFMT_HVAL
                 at += 2
@@ -98,9 +101,9 @@ def main():
         buf = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetCUBIN(prog, buf)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        for k, r in sorted(elf_regs(buf.raw).items()):
+        for k, (r, frame) in sorted(elf_regs(buf.raw).items()):
             if pat.search(k):
-                print(f"{k:<28} {r:>4}")
+                print(f"{k:<28} {r:>4} regs {frame:>6} B frame")
     return 0
 
 

@@ -324,7 +324,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
             // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one; q4_nl_g128
-            // (the lookup-cost A/B against the q4_g128 rows): its integer and SIMT kernels. The other
+            // (the lookup-cost A/B against the q4_g128 rows): the same three. The other
             // formats: the default choice, and the stream-K kernel as well where its Auto rule
             // would take it (KVSTREAM_GEMV_SK A/B in one run).
             b.set_gemv_sk(GemvSk::Auto);
@@ -337,7 +337,11 @@ fn main() -> Result<(), Box<dyn Error>> {
                     GemvPath::Q4(Q4Gemv::Simt),
                 ]
             } else if dt == WeightDType::Q4NlG128 {
-                vec![GemvPath::Q4(Q4Gemv::Int8), GemvPath::Q4(Q4Gemv::Simt)]
+                vec![
+                    GemvPath::Q4(Q4Gemv::Int8),
+                    GemvPath::Q4(Q4Gemv::MmaPersistent),
+                    GemvPath::Q4(Q4Gemv::Simt),
+                ]
             } else if sk_auto && default_sk != GemvSk::Auto {
                 vec![GemvPath::Sk(GemvSk::Auto), GemvPath::Sk(default_sk)]
             } else if sk_auto {

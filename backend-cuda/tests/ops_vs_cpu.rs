@@ -486,8 +486,8 @@ fn gemv_rows_are_bit_identical_for_every_width() {
 }
 
 /// Every q4_g128 and q4_nl_g128 decode GEMV path (SIMT, the persistent tensor-core kernels with x
-/// staged in shared memory for small T·K and read from global memory else, and the default Auto;
-/// q4_nl_g128 on the split-bf16 path runs SIMT): within 1e-4 of Σ|w·x| of
+/// staged in shared memory for small T·K and read from global memory else, and the default Auto):
+/// within 1e-4 of Σ|w·x| of
 /// the CPU per output on activations spanning 1e-6 .. 1e5 in magnitude (the split-bf16 x keeps f32
 /// range), every row of a T-row call bit-identical to the same row alone, on row counts that are
 /// and are not multiples of the 16-row tiles and on 1-, 2- and 4-tile blocks.

@@ -50,6 +50,15 @@ __device__ __forceinline__ u32 qm_deq(u32 u) {
     return r;
 }
 
+// q4_nl_g128 (`gemv_q4nlmmap*`, NL = true): the levels of codes e and e + 4 of a word as exact
+// bf16x2 (|L| ≤ 127: 7 bits), from the table lookups s (codes 0..3) and t (codes 4..7) of the
+// word (common.cuh); low half = code e, as qm_deq.
+__device__ __forceinline__ u32 qm_nl_pair(u32 s, u32 t, int e) {
+    const float lo = (float)(int)(i8)((s >> (8 * e)) & 0xffu);
+    const float hi = (float)(int)(i8)((t >> (8 * e)) & 0xffu);
+    return qm_bf16x2(lo, hi);
+}
+
 // D (f32x4) += A (bf16 16x16, row) * B (bf16 16x8, col).
 __device__ __forceinline__ void qm_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -169,7 +178,7 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
     for (int i = 0; i < 4; i++) acc[i] = 0.0f;
 }
 
-template <bool XS, int QP_P>
+template <bool XS, int QP_P, bool NL = false>
 __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                             float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                             float* __restrict__ scratch, u32* __restrict__ counters) {
@@ -250,6 +259,21 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             for (int wd = 0; wd < 4; wd++) {
                 const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
                 const uint4 x0 = xg[(2 * wd) * 4], x1 = xg[(2 * wd + 1) * 4];
+                if (NL) {
+                    const u32 sa = q4nl_lookup4(va), ta = q4nl_lookup4(va >> 16);
+                    const u32 sb = q4nl_lookup4(vb), tb = q4nl_lookup4(vb >> 16);
+                    u32 a0 = qm_nl_pair(sa, ta, 0), a1 = qm_nl_pair(sb, tb, 0);
+                    u32 a2 = qm_nl_pair(sa, ta, 1), a3 = qm_nl_pair(sb, tb, 1);
+                    qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
+                    qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
+                    a0 = qm_nl_pair(sa, ta, 2);
+                    a1 = qm_nl_pair(sb, tb, 2);
+                    a2 = qm_nl_pair(sa, ta, 3);
+                    a3 = qm_nl_pair(sb, tb, 3);
+                    qm_mma(ch, a0, a1, a2, a3, x1.x, x1.y);
+                    qm_mma(cl, a0, a1, a2, a3, x1.z, x1.w);
+                    continue;
+                }
                 u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
                 qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
                 qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
@@ -290,6 +314,19 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3(Q4MM
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q4MMAP_ARGS) {
     q4mmap_body<true, 2>(Q4MMAP_PASS);
+}
+// q4_nl_g128 builds (same shapes, x prepared by gemv_q4mma_xprep).
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nlmmap(Q4MMAP_ARGS) {
+    q4mmap_body<false, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nlmmap_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3(Q4MMAP_ARGS) {
+    q4mmap_body<false, 2, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true, 2, true>(Q4MMAP_PASS);
 }
 
 // ------------------------------------------------------------------------------------------------
