@@ -330,13 +330,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             b.set_gemv_sk(GemvSk::Auto);
             let sk_auto = b.matmul_kernel(&wt, 1).starts_with("gemv_sk_");
             b.set_gemv_sk(default_sk);
-            let paths: Vec<GemvPath> = if dt == WeightDType::Q4G128 {
-                vec![
-                    GemvPath::Q4(Q4Gemv::Int8),
-                    GemvPath::Q4(Q4Gemv::MmaPersistent),
-                    GemvPath::Q4(Q4Gemv::Simt),
-                ]
-            } else if dt == WeightDType::Q4NlG128 {
+            let paths: Vec<GemvPath> = if dt.is_q4() {
                 vec![
                     GemvPath::Q4(Q4Gemv::Int8),
                     GemvPath::Q4(Q4Gemv::MmaPersistent),
