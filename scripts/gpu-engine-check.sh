@@ -73,9 +73,9 @@ PY
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["stats"]; print("     cuda mtp: decode %.1f tok/s, acceptance %s" % (d["decode_tok_per_s"], (d.get("spec") or {}).get("acceptance_rate")))' "$OUT/$n-cuda-mtp.json" 2>/dev/null
 done
 # Quantized weights (issue 10): CUDA greedy == CPU greedy on the demo model (hidden 256, so
-# q4_g128 really applies), plus MTP on CUDA == plain on CUDA.
+# q4_g128 and q4_nl_g128 really apply), plus MTP on CUDA == plain on CUDA.
 m=models/kvstream-demo-tiny
-for w in q8_0 q4_g128 fp8_e4m3; do
+for w in q8_0 q4_g128 q4_nl_g128 fp8_e4m3; do
   common=(--model "$m" --prompt-tokens "$PROMPT" --n-predict 64 --ignore-eos --json --kv-page-tokens 16 --weights $w)
   for be in cpu cuda; do
     "$B" generate --backend $be "${common[@]}" >"$OUT/demo-$w-$be.json" 2>>"$OUT/err.log"

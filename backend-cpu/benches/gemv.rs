@@ -56,7 +56,11 @@ fn bench(c: &mut Criterion) {
     drop(w);
 
     // The same shape quantized: a synthetic blob (varied codes, scales ≈ 0.01) in each layout.
-    for dtype in [WeightDType::Q8_0, WeightDType::Q4G128] {
+    for dtype in [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::Q4NlG128,
+    ] {
         let l = quant_layout(dtype, &[n, k]).expect("layout");
         let mut bytes: Vec<u8> = (0..l.total).map(|i| (i % 251) as u8).collect();
         for s in bytes[l.scales_offset..].chunks_exact_mut(2) {

@@ -226,7 +226,11 @@ fn prefill_gemm(
         out!(report, "gemm: cuBLAS unavailable, SIMT only")?;
     }
     for (n, k) in [(17408usize, 5120usize), (5120, 17408)] {
-        for dt in [WeightDType::Bf16, WeightDType::Q4G128] {
+        for dt in [
+            WeightDType::Bf16,
+            WeightDType::Q4G128,
+            WeightDType::Q4NlG128,
+        ] {
             let blob = synthetic_blob(dt, n, k, rng)?;
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
             for t in [512usize, 4096] {
@@ -303,6 +307,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         WeightDType::Bf16,
         WeightDType::Q8_0,
         WeightDType::Q4G128,
+        WeightDType::Q4NlG128,
         WeightDType::F8E4M3,
     ];
     // KVSTREAM_BENCH_SKIP_GEMV=1 skips this section (e.g. when only attention changed).
@@ -318,13 +323,14 @@ fn main() -> Result<(), Box<dyn Error>> {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
-            // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one. The other
+            // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one; q4_nl_g128
+            // (the lookup-cost A/B against the q4_g128 rows): the same three. The other
             // formats: the default choice, and the stream-K kernel as well where its Auto rule
             // would take it (KVSTREAM_GEMV_SK A/B in one run).
             b.set_gemv_sk(GemvSk::Auto);
             let sk_auto = b.matmul_kernel(&wt, 1).starts_with("gemv_sk_");
             b.set_gemv_sk(default_sk);
-            let paths: Vec<GemvPath> = if dt == WeightDType::Q4G128 {
+            let paths: Vec<GemvPath> = if dt.is_q4() {
                 vec![
                     GemvPath::Q4(Q4Gemv::Int8),
                     GemvPath::Q4(Q4Gemv::MmaPersistent),

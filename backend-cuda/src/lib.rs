@@ -229,6 +229,7 @@ impl Backend for CudaBackend {
                 WeightDType::Q8_0,
                 WeightDType::Q4G128,
                 WeightDType::F8E4M3,
+                WeightDType::Q4NlG128,
             ],
             device_memory: Some(self.total_mem as u64),
         }

@@ -239,8 +239,8 @@ impl DeviceWeight for CudaWeight {
 }
 
 /// Kernel code of a weight dtype: 0..=2 match `common.cuh` (`WT_F32`, `WT_F16`, `WT_BF16`, read
-/// element-wise by `load_w`); 3..=5 are the quantized layouts of `linear.cu` (`WT_Q8_0`,
-/// `WT_Q4G128`, `WT_F8E4M3`), which only the linear kernels (`load_wq`, GEMV, GEMM, embedding)
+/// element-wise by `load_w`); 3..=6 are the quantized layouts of `linear.cu` (`WT_Q8_0`,
+/// `WT_Q4G128`, `WT_F8E4M3`, `WT_Q4NL`), which only the linear kernels (`load_wq`, GEMV, GEMM, embedding)
 /// understand: element-wise kernels must not be given a quantized weight.
 pub(crate) fn dtype_code(d: WeightDType) -> i32 {
     match d {
@@ -250,6 +250,7 @@ pub(crate) fn dtype_code(d: WeightDType) -> i32 {
         WeightDType::Q8_0 => 3,
         WeightDType::Q4G128 => 4,
         WeightDType::F8E4M3 => 5,
+        WeightDType::Q4NlG128 => 6,
     }
 }
 

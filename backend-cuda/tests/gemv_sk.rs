@@ -175,6 +175,8 @@ fn stream_k_buffers_are_reusable_across_shapes_and_kernels() {
     let a = c.weight(&mut rng, WeightDType::Bf16, 1001, 12352);
     let b = c.weight(&mut rng, WeightDType::Q8_0, 17408, 5120);
     let q = c.weight(&mut rng, WeightDType::Q4G128, 17408, 5120);
+    // (2048 rows: the q4_nl quantizer's 66-scale search is slow on one core.)
+    let qn = c.weight(&mut rng, WeightDType::Q4NlG128, 2048, 5120);
     let (xa, xb) = (rnd(&mut rng, 3 * 12352, 1.0), rnd(&mut rng, 5120, 1.0));
     let ya = c.run(&a.gpu, &xa, 3, 12352);
     check(
@@ -194,7 +196,35 @@ fn stream_k_buffers_are_reusable_across_shapes_and_kernels() {
         bits(&c.gpu.tensor_to_f32(&y).expect("y"))
     };
     let yq = q4(&xb);
+    // q4_nl_g128 on its split-bf16 and integer builds, which share the buffers too.
+    let nl = |x: &[f32], path: Q4Gemv| -> Vec<u32> {
+        c.gpu.set_q4_gemv(path);
+        let xg = c.gpu.tensor_from_f32(x, &[1, 5120]).expect("x");
+        let y = c.gpu.matmul(&xg, &qn.gpu).expect("q4_nl gemv");
+        c.gpu.set_q4_gemv(Q4Gemv::MmaPersistent);
+        bits(&c.gpu.tensor_to_f32(&y).expect("y"))
+    };
+    let (ynm, yni) = (nl(&xb, Q4Gemv::MmaPersistent), nl(&xb, Q4Gemv::Int8));
+    for (y, path) in [(&ynm, "mmap"), (&yni, "i8")] {
+        let yf: Vec<f32> = y.iter().map(|b| f32::from_bits(*b)).collect();
+        check(
+            &format!("q4_nl {path} [2048x5120] t=1"),
+            &yf,
+            &c.cpu_matmul(&qn, &xb, 1, 5120),
+            &xb,
+            &qn.deq,
+            1,
+            2048,
+            5120,
+        );
+    }
     for round in 0..3 {
+        assert_eq!(
+            nl(&xb, Q4Gemv::MmaPersistent),
+            ynm,
+            "round {round}: q4_nl mmap"
+        );
+        assert_eq!(nl(&xb, Q4Gemv::Int8), yni, "round {round}: q4_nl i8");
         assert_eq!(
             bits(&c.run(&a.gpu, &xa, 3, 12352)),
             bits(&ya),

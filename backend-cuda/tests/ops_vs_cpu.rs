@@ -126,7 +126,7 @@ fn shapes_for(dt: WeightDType) -> Vec<(usize, usize)> {
     let mut s = vec![(70, 384), (33, 1152), (7, 4096), (130, 640)];
     match dt {
         // K % 1024 == 0 with one warp per row: the coalesced-x q4 instances ((7, 4096) splits).
-        WeightDType::Q4G128 => s.push((70, 2048)),
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => s.push((70, 2048)),
         WeightDType::Q8_0 => s.push((70, 96)),
         _ => {
             s.push((70, 200));
@@ -318,10 +318,7 @@ fn prefill_gemm_switch_selects_the_kernel() {
 fn all_codes_blob(dt: WeightDType, n: usize, k: usize, rng: &mut StdRng) -> Vec<u8> {
     let l = kvstream_memory_contracts::quant_layout(dt, &[n, k]).expect("layout");
     let mut b = vec![0u8; l.total];
-    let code_bytes = match dt {
-        WeightDType::Q4G128 => n * k / 2,
-        _ => n * k,
-    };
+    let code_bytes = if dt.is_q4() { n * k / 2 } else { n * k };
     let fp8_codes: Vec<u8> = (0u8..=255).filter(|c| *c & 0x7f != 0x7f).collect();
     for (i, v) in b[..code_bytes].iter_mut().enumerate() {
         *v = match dt {
@@ -371,6 +368,8 @@ fn matmul_decodes_every_code_exactly() {
         (WeightDType::Q4G128, 256),
         (WeightDType::Q4G128, 1024),
         (WeightDType::F8E4M3, 256),
+        (WeightDType::Q4NlG128, 256),
+        (WeightDType::Q4NlG128, 1024),
     ] {
         let blob = all_codes_blob(dt, n, k, &mut rng);
         let want = deq(dt, &blob, &[n, k]);
@@ -431,7 +430,12 @@ fn cublas_gemm_decodes_every_code_to_its_split_bf16_value() {
         eye[i * k + i] = 1.0;
     }
     let xg = p.gpu.tensor_from_f32(&eye, &[k, k]).expect("x");
-    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+    for dt in [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ] {
         let blob = all_codes_blob(dt, n, k, &mut rng);
         let want = deq(dt, &blob, &[n, k]);
         let wg = p
@@ -481,8 +485,9 @@ fn gemv_rows_are_bit_identical_for_every_width() {
     }
 }
 
-/// Every q4_g128 decode GEMV path (SIMT, the persistent tensor-core kernel with x staged in shared
-/// memory for small T·K and read from global memory else, and the default Auto): within 1e-4 of Σ|w·x| of
+/// Every q4_g128 and q4_nl_g128 decode GEMV path (SIMT, the persistent tensor-core kernels with x
+/// staged in shared memory for small T·K and read from global memory else, and the default Auto):
+/// within 1e-4 of Σ|w·x| of
 /// the CPU per output on activations spanning 1e-6 .. 1e5 in magnitude (the split-bf16 x keeps f32
 /// range), every row of a T-row call bit-identical to the same row alone, on row counts that are
 /// and are not multiples of the 16-row tiles and on 1-, 2- and 4-tile blocks.
@@ -490,9 +495,12 @@ fn gemv_rows_are_bit_identical_for_every_width() {
 #[ignore = "needs a CUDA GPU"]
 fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
     let p = Pair::new();
-    let dt = WeightDType::Q4G128;
     let mut rng = StdRng::seed_from_u64(21);
-    for (n, k) in [(7, 4096), (33, 1152), (70, 2048), (300, 5120), (4133, 256)] {
+    let cases = [(7, 4096), (33, 1152), (70, 2048), (300, 5120), (4133, 256)];
+    for (dt, (n, k)) in [WeightDType::Q4G128, WeightDType::Q4NlG128]
+        .into_iter()
+        .flat_map(|dt| cases.into_iter().map(move |c| (dt, c)))
+    {
         let w = heavy(&mut rng, n * k, 0.5);
         let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
         let (wc, wg) = p.w(&w, &[n, k], dt);
@@ -521,7 +529,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
                 .cpu
                 .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
                 .expect("y cpu");
-            let what = format!("q4 {path:?} [{n}x{k}]");
+            let what = format!("{dt} {path:?} [{n}x{k}]");
             check_gemm(&what, &full, &c, &x, &wd, 8, n, k, f32_bound);
             assert_rows_independent_of_width(&what, n, k, &x, &full, run);
         }
@@ -535,7 +543,12 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
 fn embedding_of_quantized_tables_matches_cpu() {
     let p = Pair::new();
     let mut rng = StdRng::seed_from_u64(13);
-    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+    for dt in [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ] {
         let hs: &[usize] = if dt == WeightDType::F8E4M3 {
             &[256, 200]
         } else {
@@ -566,7 +579,12 @@ fn embedding_of_quantized_tables_matches_cpu() {
 #[ignore = "needs a CUDA GPU"]
 fn load_weight_checks_quantized_lengths() {
     let b = gpu();
-    for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+    for dt in [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ] {
         let need = dt.storage_bytes(&[4, 256]).expect("bytes");
         assert!(b
             .load_weight("w", dt, &[4, 256], WeightData::from_vec(vec![1u8; need]))

@@ -77,9 +77,11 @@ pub struct EngineArgs {
 }
 
 /// The accepted `--weights` / `--weights-head` values (in error messages and help).
-pub const WEIGHT_FORMATS: &str = "bf16, f16, f32, q8_0, q4_g128 (q4), fp8_e4m3 (fp8)";
+pub const WEIGHT_FORMATS: &str =
+    "bf16, f16, f32, q8_0, q4_g128 (q4), q4_nl_g128 (q4_nl), fp8_e4m3 (fp8)";
 
-/// Parses a weight format name (`q4` and `fp8` are aliases of `q4_g128` and `fp8_e4m3`).
+/// Parses a weight format name (`q4`, `q4_nl` and `fp8` are aliases of `q4_g128`, `q4_nl_g128`
+/// and `fp8_e4m3`).
 pub fn parse_weight_format(s: &str) -> std::result::Result<WeightDType, String> {
     let t = s.trim().to_ascii_lowercase();
     let alias = match t.as_str() {
@@ -96,7 +98,7 @@ pub fn parse_weight_format(s: &str) -> std::result::Result<WeightDType, String> 
 #[derive(Debug, Clone, Default, Args)]
 pub struct WeightArgs {
     /// Device format of the decoder-layer linear weights: bf16, f16, f32, q8_0, q4_g128 (q4),
-    /// fp8_e4m3 (fp8). Quantized formats are converted at load time (or loaded as saved by
+    /// q4_nl_g128 (q4_nl), fp8_e4m3 (fp8). Quantized formats are converted at load time (or loaded as saved by
     /// `kvstream quantize`). Default: as stored.
     #[arg(long, value_parser = parse_weight_format)]
     pub weights: Option<WeightDType>,
@@ -200,6 +202,8 @@ mod tests {
             ("q4", WeightDType::Q4G128),
             ("fp8_e4m3", WeightDType::F8E4M3),
             ("FP8", WeightDType::F8E4M3),
+            ("q4_nl_g128", WeightDType::Q4NlG128),
+            ("q4_nl", WeightDType::Q4NlG128),
         ] {
             assert_eq!(parse_weight_format(s), Ok(want), "{s}");
         }
@@ -210,6 +214,12 @@ mod tests {
             weights_head: None,
         };
         assert_eq!(describe_policy(&p.policy()), "q4_g128 (head q8_0)");
+        let nl = WeightArgs {
+            weights: Some(WeightDType::Q4NlG128),
+            weights_head: None,
+        };
+        assert_eq!(describe_policy(&nl.policy()), "q4_nl_g128 (head q8_0)");
+        assert!(e.contains("q4_nl_g128"));
         assert_eq!(
             describe_policy(&WeightArgs::default().policy()),
             "as stored"

@@ -36,7 +36,7 @@ enum Command {
     Inspect(cmd_inspect::InspectArgs),
     /// OpenAI-compatible HTTP server.
     Serve(cmd_serve::ServeArgs),
-    /// Convert a model directory to quantized weights (q8_0, q4_g128, fp8_e4m3) once.
+    /// Convert a model directory to quantized weights (q8_0, q4_g128, q4_nl_g128, fp8_e4m3) once.
     Quantize(cmd_quantize::QuantizeArgs),
     /// Benchmark sweep: contexts × MTP draft counts × KV arena sizes, with a roofline.
     Bench(bench::BenchArgs),

@@ -90,6 +90,76 @@ fn quantized_directory_generates_what_quantize_at_load_generates() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// q4_nl_g128 end to end: `quantize` writes it (format name in config.json and in the tensor
+/// metadata), the directory generates what quantize-at-load generates, and `inspect` plans the
+/// same bytes as q4_g128.
+#[test]
+fn q4_nl_directory_generates_what_quantize_at_load_generates() {
+    let out = tmp("demo-q4nl");
+    let out_s = out.to_str().expect("utf-8");
+    let o = kvstream(&[
+        "quantize",
+        "--in",
+        "models/kvstream-demo-tiny",
+        "--out",
+        out_s,
+        "--weights",
+        "q4_nl_g128",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("q4_nl_g128 (head q8_0)"),
+        "{}",
+        stdout(&o)
+    );
+    let cfg = std::fs::read_to_string(out.join("config.json")).expect("config");
+    assert!(cfg.contains("\"q4_nl_g128\""), "{cfg}");
+    let st = std::fs::read(out.join("model.safetensors")).expect("weights");
+    let head = String::from_utf8_lossy(&st[..st.len().min(1 << 16)]).into_owned();
+    assert!(head.contains("q4_nl_g128:["), "metadata names the format");
+    let saved = generate_tokens(out_s, &[]);
+    let at_load = generate_tokens("models/kvstream-demo-tiny", &["--weights", "q4_nl"]);
+    assert_eq!(saved.as_array().map(Vec::len), Some(24));
+    assert_eq!(saved, at_load);
+    std::fs::remove_dir_all(&out).ok();
+    // The memory plan: the q4_g128 bytes.
+    let plan = |w: &str| {
+        let o = kvstream(&[
+            "inspect",
+            "--synthetic",
+            "qwen3.8-27b",
+            "--weights",
+            w,
+            "--kv-arena",
+            "2240MiB",
+            "--device-memory",
+            "16GiB",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let (q4, nl) = (plan("q4_g128"), plan("q4_nl_g128"));
+    assert!(nl.contains("fits in 16 GiB"), "{nl}");
+    // The numbers of the plan table (the labels name the format).
+    let bytes = |s: &str| {
+        s.lines()
+            .skip_while(|l| !l.starts_with("device memory plan"))
+            .take_while(|l| !l.starts_with("verdict"))
+            .map(|l| {
+                l.replace("q4_nl_g128", "")
+                    .replace("q4_g128", "")
+                    .split(|c: char| !c.is_ascii_digit() && c != '.')
+                    .filter(|t| !t.is_empty())
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(bytes(&nl).len() > 5, "{nl}");
+    assert_eq!(bytes(&nl), bytes(&q4));
+}
+
 #[test]
 fn inspect_plans_the_27b_from_its_config_alone() {
     let dir = tmp("27b-config");

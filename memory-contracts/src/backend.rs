@@ -46,7 +46,7 @@ pub trait Fence: Clone + Send + Sync + fmt::Debug {
 }
 
 /// Stored type of a weight: a plain element type (`F32`, `F16`, `Bf16`) or one of the
-/// block-quantized formats of [`crate::weight_format`] (`Q8_0`, `Q4G128`, `F8E4M3`), whose byte
+/// block-quantized formats of [`crate::weight_format`] (`Q8_0`, `Q4G128`, `F8E4M3`, `Q4NlG128`), whose byte
 /// layouts (codes, then an aligned scale section) are specified there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightDType {
@@ -62,17 +62,21 @@ pub enum WeightDType {
     Q4G128,
     /// OCP FP8 E4M3 codes, one f32 scale per 128 values of a row (`fp8_e4m3`).
     F8E4M3,
+    /// The `q4_g128` byte layout with a non-uniform integer codebook: code `u` decodes to
+    /// `d · Q4_NL_LEVELS[u]` (`q4_nl_g128`).
+    Q4NlG128,
 }
 
 impl WeightDType {
     /// Every weight dtype, element types first.
-    pub const ALL: [WeightDType; 6] = [
+    pub const ALL: [WeightDType; 7] = [
         WeightDType::F32,
         WeightDType::F16,
         WeightDType::Bf16,
         WeightDType::Q8_0,
         WeightDType::Q4G128,
         WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
     ];
 
     /// Bytes per element for the element types (4 for f32, 2 for f16/bf16).
@@ -84,7 +88,10 @@ impl WeightDType {
         match self {
             WeightDType::F32 => 4,
             WeightDType::F16 | WeightDType::Bf16 => 2,
-            WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 => 1,
+            WeightDType::Q8_0
+            | WeightDType::Q4G128
+            | WeightDType::F8E4M3
+            | WeightDType::Q4NlG128 => 1,
         }
     }
     /// Lower-case name (the CLI and safetensors-metadata spelling; [`WeightDType::parse`] reads it).
@@ -96,6 +103,7 @@ impl WeightDType {
             WeightDType::Q8_0 => "q8_0",
             WeightDType::Q4G128 => "q4_g128",
             WeightDType::F8E4M3 => "fp8_e4m3",
+            WeightDType::Q4NlG128 => "q4_nl_g128",
         }
     }
 }

@@ -48,7 +48,9 @@ fn mtp_logits(b: &CpuBackend, m: &QwenModel<CpuBackend>, ids: &[u32]) -> Vec<f32
 /// as quantizing at load time (main and MTP logits compared bitwise), with the same report.
 fn save_roundtrip(name: &str, policy: WeightPolicy) {
     let b = CpuBackend::new();
-    let out = tmpdir(&format!("save-{name}"));
+    // One directory per (model, format): tests run in parallel.
+    let fmt = policy.format.map_or("stored", |f| f.name());
+    let out = tmpdir(&format!("save-{name}-{fmt}"));
     let saved = save_quantized(&dir(name), &out, &policy, true).expect("save");
     let ids: Vec<u32> = Oracle::open(name).ids("ids").into_iter().take(40).collect();
     let direct = load(&b, name, policy);
@@ -112,6 +114,14 @@ fn save_roundtrip(name: &str, policy: WeightPolicy) {
 #[test]
 fn saved_q4_demo_equals_quantize_at_load_bitwise() {
     save_roundtrip("kvstream-demo-tiny", WeightPolicy::new(WeightDType::Q4G128));
+}
+
+#[test]
+fn saved_q4_nl_demo_equals_quantize_at_load_bitwise() {
+    save_roundtrip(
+        "kvstream-demo-tiny",
+        WeightPolicy::new(WeightDType::Q4NlG128),
+    );
 }
 
 #[test]
@@ -350,6 +360,9 @@ fn plan_for_27b_matches_spec_counts() {
         p.device_total() as f64 / gib
     );
     assert!(q.device_total() < 14 * (1 << 30));
+    // q4_nl_g128 has the q4_g128 layout: the same bytes everywhere.
+    let nl = plan_weight_bytes(&c, &WeightPolicy::new(WeightDType::Q4NlG128), true);
+    assert_eq!(nl, q);
     let f8 = plan_weight_bytes(&c, &WeightPolicy::new(WeightDType::F8E4M3), false);
     assert_eq!(f8.mtp, 0);
     assert_eq!(f8.decoder_linear, linear + linear / 128 * 4);
@@ -367,6 +380,7 @@ fn plan_matches_loaded_synthetic_models() {
         WeightPolicy::new(WeightDType::F8E4M3),
         WeightPolicy::new(WeightDType::Q4G128).with_head(WeightDType::Bf16),
         WeightPolicy::new(WeightDType::Bf16),
+        WeightPolicy::new(WeightDType::Q4NlG128),
     ];
     for tied in [false, true] {
         let c = geometry(256, 608, 1000, 4, tied);
@@ -385,7 +399,7 @@ fn plan_matches_loaded_synthetic_models() {
                     assert_eq!(r.device_weight_bytes as u64, p.device_total(), "{what}");
                     assert_eq!(m.mtp_weight_bytes() as u64, p.mtp, "{what}");
                     assert_eq!(r.host_embedding_bytes as u64, p.host_embedding, "{what}");
-                    if policy.format == Some(WeightDType::Q4G128) {
+                    if policy.format.is_some_and(WeightDType::is_q4) {
                         let names: Vec<&str> = r.fallback.iter().map(|(n, _)| n.as_str()).collect();
                         assert_eq!(names.len(), 4, "{what}: {names:?}");
                         assert!(
@@ -408,7 +422,12 @@ fn synthetic_quantized_models_run_deterministically() {
     let b = CpuBackend::new();
     let c = geometry(256, 640, 1000, 4, false);
     let ids: Vec<u32> = (0..20).map(|i| (i * 37 % 1000) as u32).collect();
-    for fmt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+    for fmt in [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ] {
         let opts = LoadOptions {
             load_mtp: false,
             weights: WeightPolicy::new(fmt),

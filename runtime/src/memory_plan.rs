@@ -571,6 +571,12 @@ mod tests {
         assert_eq!(row(&q4, "lm_head"), 1_271_398_400 * 17 / 16);
         assert_eq!(row(&q4, "MTP"), 0);
         assert!(q4.verdict().fits(), "{}", q4.render());
+        // q4_nl_g128 has the q4_g128 layout: the same plan, byte for byte.
+        cfg.weights = WeightPolicy::new(WeightDType::Q4NlG128);
+        let nl = plan_from_config(&c, &cfg, &budget16()).expect("plan");
+        assert_eq!(nl.device_total(), q4.device_total());
+        assert_eq!(row(&nl, "decoder"), row(&q4, "decoder"));
+        assert!(nl.verdict().fits(), "{}", nl.render());
         cfg.weights = WeightPolicy::new(WeightDType::Bf16);
         let bf16 = plan_from_config(&c, &cfg, &budget16()).expect("plan");
         assert!(!bf16.verdict().fits(), "{}", bf16.render());

@@ -312,7 +312,12 @@ mod tests {
             .is_err());
     }
 
-    const QUANT: [WeightDType; 3] = [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3];
+    const QUANT: [WeightDType; 4] = [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ];
 
     #[test]
     fn quantized_matmul_matches_the_dequantized_f32_matmul() {
@@ -322,6 +327,7 @@ mod tests {
             (WeightDType::Q8_0, 96usize),
             (WeightDType::Q4G128, 256),
             (WeightDType::F8E4M3, 200),
+            (WeightDType::Q4NlG128, 256),
         ] {
             let n = 41;
             let (w, held) = weight(&b, dt, &r.vec(n * k, 0.5), &[n, k]);
@@ -362,6 +368,7 @@ mod tests {
             (WeightDType::Q8_0, 160usize),
             (WeightDType::Q4G128, 128),
             (WeightDType::F8E4M3, 150),
+            (WeightDType::Q4NlG128, 128),
         ] {
             let n = 29;
             let (w, _) = weight(&b, dt, &r.vec(n * k, 0.5), &[n, k]);

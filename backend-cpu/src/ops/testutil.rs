@@ -56,7 +56,7 @@ pub(crate) fn weight(
                 .collect(),
             values.iter().map(|v| f16::from_f32(*v).to_f32()).collect(),
         ),
-        WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 => {
+        WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 | WeightDType::Q4NlG128 => {
             let bytes = quantize(dtype, values, dims).expect("quantizable test weight");
             let held = dequantize(dtype, &bytes, dims).expect("dequantize");
             (bytes, held)

@@ -5,7 +5,7 @@
 //! so a dot over a bf16 row equals, bit for bit, the dot over the same row decoded to f32: the
 //! GEMV and the tiled GEMM paths of `matmul` therefore give identical results.
 //!
-//! Quantized weights (`q8_0`, `q4_g128`, `fp8_e4m3`, layouts in
+//! Quantized weights (`q8_0`, `q4_g128`, `fp8_e4m3`, `q4_nl_g128`, layouts in
 //! [`kvstream_memory_contracts::weight_format`]) are read in place too: [`WeightView::decode`]
 //! produces exactly the values `dequantize` defines, and the dots over them decode blocks of
 //! 256 values into a stack buffer and accumulate with the same lane structure (whole rows use
@@ -18,7 +18,9 @@ use crate::CpuWeight;
 use half::f16;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::error::OpError;
-use kvstream_memory_contracts::weight_format::{quant_layout, E4M3_TABLE, G128, Q8_0_GROUP};
+use kvstream_memory_contracts::weight_format::{
+    quant_layout, E4M3_TABLE, G128, Q4_NL_LEVELS, Q8_0_GROUP,
+};
 
 /// Lanes of the dot-product accumulators.
 pub const LANES: usize = 32;
@@ -49,6 +51,12 @@ pub enum WeightView<'a> {
         codes: &'a [u8],
         scales: &'a [f32],
     },
+    /// `q4_nl_g128`: the `q4_g128` layout, value `d · Q4_NL_LEVELS[u]`.
+    Q4NlG128 {
+        k: usize,
+        codes: &'a [u8],
+        scales: &'a [u16],
+    },
 }
 
 impl WeightView<'_> {
@@ -58,7 +66,9 @@ impl WeightView<'_> {
             WeightView::F32(s) => s.len(),
             WeightView::Bf16(s) | WeightView::F16(s) => s.len(),
             WeightView::Q8_0 { codes, .. } => codes.len(),
-            WeightView::Q4G128 { codes, .. } => codes.len() * 2,
+            WeightView::Q4G128 { codes, .. } | WeightView::Q4NlG128 { codes, .. } => {
+                codes.len() * 2
+            }
             WeightView::F8E4M3 { codes, .. } => codes.len(),
         }
     }
@@ -67,7 +77,10 @@ impl WeightView<'_> {
     pub fn is_quantized(&self) -> bool {
         matches!(
             self,
-            WeightView::Q8_0 { .. } | WeightView::Q4G128 { .. } | WeightView::F8E4M3 { .. }
+            WeightView::Q8_0 { .. }
+                | WeightView::Q4G128 { .. }
+                | WeightView::F8E4M3 { .. }
+                | WeightView::Q4NlG128 { .. }
         )
     }
     /// True when empty.
@@ -127,6 +140,17 @@ impl WeightView<'_> {
                     let c = &codes[r * k + c0..r * k + c0 + o.len()];
                     for (v, &q) in o.iter_mut().zip(c) {
                         *v = E4M3_TABLE[q as usize] * s;
+                    }
+                })
+            }
+            WeightView::Q4NlG128 { k, codes, scales } => {
+                for_groups(*k, G128, start, out, |r, g, c0, o| {
+                    let d = f16::from_bits(scales[r * (k / G128) + g]).to_f32();
+                    let base = r * k + c0;
+                    for (j, v) in o.iter_mut().enumerate() {
+                        let e = base + j;
+                        let u = (codes[e / 2] >> (4 * (e % 2))) & 0xF;
+                        *v = d * Q4_NL_LEVELS[usize::from(u)];
                     }
                 })
             }
@@ -212,6 +236,11 @@ pub fn view(w: &CpuWeight) -> Result<WeightView<'_>, OpError> {
             codes: &bytes[..numel],
             scales: bytemuck::try_cast_slice(scales).map_err(bad)?,
         },
+        WeightDType::Q4NlG128 => WeightView::Q4NlG128 {
+            k: layout.k,
+            codes: &bytes[..numel / 2],
+            scales: bytemuck::try_cast_slice(scales).map_err(bad)?,
+        },
     })
 }
 
@@ -219,7 +248,11 @@ pub fn view(w: &CpuWeight) -> Result<WeightView<'_>, OpError> {
 pub fn alignment(dtype: WeightDType) -> usize {
     match dtype {
         WeightDType::F32 | WeightDType::F8E4M3 => 4,
-        WeightDType::F16 | WeightDType::Bf16 | WeightDType::Q8_0 | WeightDType::Q4G128 => 2,
+        WeightDType::F16
+        | WeightDType::Bf16
+        | WeightDType::Q8_0
+        | WeightDType::Q4G128
+        | WeightDType::Q4NlG128 => 2,
     }
 }
 
@@ -431,7 +464,12 @@ mod tests {
         }
     }
 
-    const QUANT: [WeightDType; 3] = [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3];
+    const QUANT: [WeightDType; 4] = [
+        WeightDType::Q8_0,
+        WeightDType::Q4G128,
+        WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
+    ];
 
     #[test]
     fn quantized_decode_equals_dequantize_at_any_offset() {
@@ -441,6 +479,7 @@ mod tests {
             (WeightDType::Q8_0, 96usize),
             (WeightDType::Q4G128, 256),
             (WeightDType::F8E4M3, 131),
+            (WeightDType::Q4NlG128, 256),
         ] {
             let rows = 5;
             let (w, held) = weight(&b, dt, &r.vec(rows * k, 0.7), &[rows, k]);
@@ -466,6 +505,7 @@ mod tests {
             (WeightDType::Q8_0, 320),
             (WeightDType::Q4G128, 384),
             (WeightDType::F8E4M3, 301),
+            (WeightDType::Q4NlG128, 384),
         ] {
             let (w, held) = weight(&b, dt, &r.vec(3 * k, 0.5), &[3, k]);
             let v = view(&w).expect("view");

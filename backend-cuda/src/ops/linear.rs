@@ -1,5 +1,5 @@
 //! `LinearOps`: weight upload, embedding gather and matmul (GEMV for decode, own kernels; GEMM for
-//! prefill: cuBLAS on tensor cores or the SIMT fallback, see [`gemm`]; own kernels reading f32/f16/bf16 and the quantized q8_0 / q4_g128 / fp8_e4m3 layouts
+//! prefill: cuBLAS on tensor cores or the SIMT fallback, see [`gemm`]; own kernels reading f32/f16/bf16 and the quantized q8_0 / q4_g128 / fp8_e4m3 / q4_nl_g128 layouts
 //! of `memory_contracts::weight_format`, dequantised in registers, f32 accumulation).
 //!
 //! The GEMV (≤ 8 rows) reads every weight byte once for all rows, streaming 16-byte chunks through
@@ -10,6 +10,7 @@ mod gemm;
 mod plan;
 pub(crate) mod q4mma;
 pub(crate) mod q4mmap;
+pub(crate) mod q4nl;
 pub(crate) mod sk_plan;
 pub(crate) mod streamk;
 
@@ -66,7 +67,13 @@ impl LinearOps for CudaBackend {
                     format!("`{name}`: byte range outside its source"),
                 )
             })?;
-        let alloc = self.upload(bytes, name)?;
+        let alloc = if dtype == WeightDType::Q4NlG128 {
+            // The kernels read relabeled codes (see `q4nl`); the codes are the first R·K/2 bytes.
+            let codes = dims.iter().product::<usize>() / 2;
+            self.upload(&q4nl::relabel_blob(bytes, codes), name)?
+        } else {
+            self.upload(bytes, name)?
+        };
         Ok(CudaWeight {
             alloc,
             dims: dims.to_vec(),
@@ -152,8 +159,8 @@ impl LinearOps for CudaBackend {
         let (xp, wp, dt, yp) = (x.ptr(), w.ptr(), dtype_code(w.dtype), out.ptr());
         let (k64, n64) = (k as u64, n as u64);
         if t <= GEMV_MAX_T {
-            if w.dtype == WeightDType::Q4G128 {
-                if let Some(kind) = q4mmap::MmapKind::for_path(self.q4_gemv()) {
+            if w.dtype.is_q4() {
+                if let Some(kind) = q4mmap::MmapKind::for_weight(self.q4_gemv(), w.dtype) {
                     if let Some(plan) = self.q4_mmap_plan(kind, n, k, wp, soff) {
                         self.gemv_q4_mmap(plan, kind, x, wp, soff, &out, t, n, k)?;
                         return Ok(out);
@@ -240,8 +247,8 @@ impl CudaBackend {
             return "gemm";
         }
         let (n, k) = (w.dims[0], w.dims[1]);
-        if w.dtype == WeightDType::Q4G128 {
-            if let Some(kind) = q4mmap::MmapKind::for_path(self.q4_gemv()) {
+        if w.dtype.is_q4() {
+            if let Some(kind) = q4mmap::MmapKind::for_weight(self.q4_gemv(), w.dtype) {
                 let planned = scales_offset("matmul", w)
                     .ok()
                     .and_then(|soff| self.q4_mmap_plan(kind, n, k, w.ptr(), soff))
@@ -250,6 +257,8 @@ impl CudaBackend {
                     return match kind {
                         q4mmap::MmapKind::SplitBf16 => "gemv_q4mmap",
                         q4mmap::MmapKind::Int8 => "gemv_q4i8p",
+                        q4mmap::MmapKind::Int8Nl => "gemv_q4nli8p",
+                        q4mmap::MmapKind::SplitBf16Nl => "gemv_q4nlmmap",
                     };
                 }
             }

@@ -132,3 +132,28 @@ __device__ __forceinline__ float kv_load(const u8* p, int ty, int j) {
     }
     }
 }
+
+// ---- q4_nl_g128 code lookup (linear.cu, gemv_mma.cu) ----------------------------------------------
+// The CUDA upload relabels every q4_nl_g128 code u to c = u with bits 2 and 3 swapped
+// (backend-cuda ops/linear/q4nl.rs), so that codes c and c + 8 always index levels of one sign.
+// Then one `prmt` per table half looks 4 codes up at once: selector nibble i = code c_i;
+// prmt(T0, T1, sel) gives byte T01[c & 7] for c < 8 and, for c >= 8 (selector msb set), the sign
+// of T01[c & 7] replicated; prmt(T2, T3, sel ^ 0x8888) the converse. With
+// T01 = L[0..3], L[8..11] and T23 = ~L[4..7], L[12..15] (L = the level table), the XOR of the two
+// is the int8 level L[swap23(c)] of every byte (tested on the CPU: q4nl.rs).
+#define Q4NL_T0 0xC6B5A081u  // -127, -96, -75, -58
+#define Q4NL_T1 0x2C1F1206u  //    6,  18,  31,  44
+#define Q4NL_T2 0x05111E2Bu  // ~-44, ~-31, ~-18, ~-6
+#define Q4NL_T3 0x7F604B3Au  //   58,  75,  96, 127
+
+// prmt.b32 in its default mode (selector msb = replicate the selected byte's sign).
+__device__ __forceinline__ u32 prmt_sx(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// The int8 levels of the 4 relabeled codes in selector nibbles 0..3 of `sel` (bytes 0..3).
+__device__ __forceinline__ u32 q4nl_lookup4(u32 sel) {
+    return prmt_sx(Q4NL_T0, Q4NL_T1, sel) ^ prmt_sx(Q4NL_T2, Q4NL_T3, sel ^ 0x8888u);
+}

@@ -50,6 +50,15 @@ __device__ __forceinline__ u32 qm_deq(u32 u) {
     return r;
 }
 
+// q4_nl_g128 (`gemv_q4nlmmap*`, NL = true): the levels of codes e and e + 4 of a word as exact
+// bf16x2 (|L| ≤ 127: 7 bits), from the table lookups s (codes 0..3) and t (codes 4..7) of the
+// word (common.cuh); low half = code e, as qm_deq.
+__device__ __forceinline__ u32 qm_nl_pair(u32 s, u32 t, int e) {
+    const float lo = (float)(int)(i8)((s >> (8 * e)) & 0xffu);
+    const float hi = (float)(int)(i8)((t >> (8 * e)) & 0xffu);
+    return qm_bf16x2(lo, hi);
+}
+
 // D (f32x4) += A (bf16 16x16, row) * B (bf16 16x8, col).
 __device__ __forceinline__ void qm_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -197,7 +206,7 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
     for (int i = 0; i < 4; i++) acc[i] = 0.0f;
 }
 
-template <bool XS, int QP_P>
+template <bool XS, int QP_P, bool NL = false>
 __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                             float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                             float* __restrict__ scratch, u32* __restrict__ counters) {
@@ -281,6 +290,21 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             for (int wd = 0; wd < 4; wd++) {
                 const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
                 const uint4 x0 = xg[(2 * wd) * 4], x1 = xg[(2 * wd + 1) * 4];
+                if (NL) {
+                    const u32 sa = q4nl_lookup4(va), ta = q4nl_lookup4(va >> 16);
+                    const u32 sb = q4nl_lookup4(vb), tb = q4nl_lookup4(vb >> 16);
+                    u32 a0 = qm_nl_pair(sa, ta, 0), a1 = qm_nl_pair(sb, tb, 0);
+                    u32 a2 = qm_nl_pair(sa, ta, 1), a3 = qm_nl_pair(sb, tb, 1);
+                    qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
+                    qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
+                    a0 = qm_nl_pair(sa, ta, 2);
+                    a1 = qm_nl_pair(sb, tb, 2);
+                    a2 = qm_nl_pair(sa, ta, 3);
+                    a3 = qm_nl_pair(sb, tb, 3);
+                    qm_mma(ch, a0, a1, a2, a3, x1.x, x1.y);
+                    qm_mma(cl, a0, a1, a2, a3, x1.z, x1.w);
+                    continue;
+                }
                 u32 a0 = qm_deq(va), a1 = qm_deq(vb), a2 = qm_deq(va >> 4), a3 = qm_deq(vb >> 4);
                 qm_mma(ch, a0, a1, a2, a3, x0.x, x0.y);
                 qm_mma(cl, a0, a1, a2, a3, x0.z, x0.w);
@@ -322,6 +346,19 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3(Q4MM
 extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q4MMAP_ARGS) {
     q4mmap_body<true, 2>(Q4MMAP_PASS);
 }
+// q4_nl_g128 builds (same shapes, x prepared by gemv_q4mma_xprep).
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nlmmap(Q4MMAP_ARGS) {
+    q4mmap_body<false, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nlmmap_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3(Q4MMAP_ARGS) {
+    q4mmap_body<false, 2, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs(Q4MMAP_ARGS) {
+    q4mmap_body<true, 2, true>(Q4MMAP_PASS);
+}
 
 // ------------------------------------------------------------------------------------------------
 // Integer tensor-core variant (`gemv_q4i8p*`): the same stream-K split, fix-up and register ring,
@@ -353,8 +390,16 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4mmap3_xs(Q
 #define QI_M 8355711  // 0x7f7f7f
 #define QI_U4 25      // uint4 per (token, group)
 
+// q4_nl_g128 (`gemv_q4nli8p*`, NL = true): the codes are looked up as int8 levels (common.cuh:
+// one prmt pair per 4 codes) and enter mma.m16n8k32.s8.s8 signed, so no offset is folded in
+// (xprep stores 0 for −8·S2 and −8·S10; |C2| ≤ 128·127·127, 256·C1 + C0 < 2^30: exact int32).
+// The lookup takes 4 consecutive codes per selector (the low or high 16 bits of a code word), so
+// A byte j of a0 (a2) is code e = j (e = 4 + j) of word wd, and b0 (b1) holds x at
+// k = 128G + 32tq + 8wd + j (+ 4): xprep packs the NL fragments in that order.
+
 // x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
-extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+template <bool NL>
+__device__ __forceinline__ void q4i8_xprep_body(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
     qm_grid_launch_dependents();
     const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
     const int lane = threadIdx.x & 31;
@@ -383,7 +428,7 @@ extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* _
         const int x2 = (r - x1) >> 8;
         s2 += x2;
         s10 += X - 65536 * x2;
-        const int sh = (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
+        const int sh = NL ? 8 * i : (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
         part[0] |= (u32)(x0 & 0xff) << sh;
         part[1] |= (u32)(x1 & 0xff) << sh;
         part[2] |= (u32)(x2 & 0xff) << sh;
@@ -404,18 +449,38 @@ extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* _
         u32 b0[3], b1[3];
 #pragma unroll
         for (int p = 0; p < 3; p++) {
-            b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
-            b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+            if (NL) {
+                b0[p] = part[p];
+                b1[p] = other[p];
+            } else {
+                b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
+                b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+            }
         }
         base[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
         ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
     }
-    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), (u32)(-8 * s2), (u32)(-8 * s10), 0u);
+    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s2), NL ? 0u : (u32)(-8 * s10), 0u);
+}
+
+extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    q4i8_xprep_body<false>(x, xf, T, K);
+}
+extern "C" __global__ void gemv_q4nl_i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    q4i8_xprep_body<true>(x, xf, T, K);
 }
 
 // D (s32x4) += A (u8 16x32, row) * B (s8 32x8, col).
 __device__ __forceinline__ void qi_mma(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// D (s32x4) += A (s8 16x32, row) * B (s8 32x8, col).
+__device__ __forceinline__ void qi_mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -429,8 +494,8 @@ __device__ __forceinline__ float qi_value(const int* c2, const int* c1, const in
 }
 
 // ODD: compute the odd token columns (2tq + 1) too; the T = 1 builds skip them (column 2tq gets
-// the same instructions either way).
-template <bool XS, int QP_P, bool ODD>
+// the same instructions either way). NL: q4_nl_g128 codes (table lookup, s8 MMA; see above).
+template <bool XS, int QP_P, bool ODD, bool NL = false>
 __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                            float* __restrict__ scratch, u32* __restrict__ counters) {
@@ -519,11 +584,19 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
                 const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
                 const uint4 p21 = xg[wd * 4 + tq];
                 const uint2 p0 = ((const uint2*)(xg + 16))[wd * 4 + tq];
-                const u32 a0 = va & 0x0f0f0f0fu, a1 = vb & 0x0f0f0f0fu;
-                const u32 a2 = (va >> 4) & 0x0f0f0f0fu, a3 = (vb >> 4) & 0x0f0f0f0fu;
-                qi_mma(c2, a0, a1, a2, a3, p21.x, p21.y);
-                qi_mma(c1, a0, a1, a2, a3, p21.z, p21.w);
-                qi_mma(c0, a0, a1, a2, a3, p0.x, p0.y);
+                if (NL) {
+                    const u32 a0 = q4nl_lookup4(va), a1 = q4nl_lookup4(vb);
+                    const u32 a2 = q4nl_lookup4(va >> 16), a3 = q4nl_lookup4(vb >> 16);
+                    qi_mma_s8(c2, a0, a1, a2, a3, p21.x, p21.y);
+                    qi_mma_s8(c1, a0, a1, a2, a3, p21.z, p21.w);
+                    qi_mma_s8(c0, a0, a1, a2, a3, p0.x, p0.y);
+                } else {
+                    const u32 a0 = va & 0x0f0f0f0fu, a1 = vb & 0x0f0f0f0fu;
+                    const u32 a2 = (va >> 4) & 0x0f0f0f0fu, a3 = (vb >> 4) & 0x0f0f0f0fu;
+                    qi_mma(c2, a0, a1, a2, a3, p21.x, p21.y);
+                    qi_mma(c1, a0, a1, a2, a3, p21.z, p21.w);
+                    qi_mma(c0, a0, a1, a2, a3, p0.x, p0.y);
+                }
             }
             const uint4 m0 = ma[(u64)cg * QI_U4];
             const float xa = __uint_as_float(m0.x);
@@ -558,4 +631,18 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1(Q4MMA
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8p1_xs(Q4MMAP_ARGS) {
     q4i8p_body<true, 4, false>(Q4MMAP_PASS);
+}
+
+// q4_nl_g128 builds of the integer kernel (same shapes as gemv_q4i8p*).
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p(Q4MMAP_ARGS) {
+    q4i8p_body<false, 4, true, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, true, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1(Q4MMAP_ARGS) {
+    q4i8p_body<false, 4, false, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(Q4MMAP_ARGS) {
+    q4i8p_body<true, 4, false, true>(Q4MMAP_PASS);
 }

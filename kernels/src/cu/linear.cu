@@ -7,6 +7,8 @@
 #define WT_Q8_0 3
 #define WT_Q4G128 4
 #define WT_F8E4M3 5
+// q4_nl_g128: the q4_g128 layout, code c (relabeled at upload, common.cuh) → d · L[swap23(c)].
+#define WT_Q4NL 6
 
 #define GEMV_MAX_T 8
 // GEMV: default rows per warp team (one x load feeds all of a team's rows).
@@ -38,6 +40,12 @@ __device__ __forceinline__ float load_wq(const u8* w, int dt, u64 n, u64 k, u64 
     case WT_F8E4M3: {
         u64 g = (K + 127) / 128;
         return e4m3_to_f32(w[n * K + k]) * ld_f32(w + soff + 4 * (n * g + k / 128));
+    }
+    case WT_Q4NL: {
+        float d = f16_to_f32(ld_u16(w + soff + 2 * (n * (K / 128) + k / 128)));
+        u32 b = w[n * (K / 2) + k / 2];
+        u32 c = (k & 1) ? (b >> 4) : (b & 15u);
+        return d * (float)(i8)(q4nl_lookup4(c) & 0xffu);
     }
     default: return load_w(w, dt, n * K + k);
     }
@@ -151,6 +159,27 @@ template <> struct Fmt<WT_Q4G128> {
         o[1] = fmaf(__uint_as_float((a & 0x0000f000u) | one), p.m11, p.c11);
         o[2] = fmaf(__uint_as_float((b & 0x00000f00u) | one), p.m15, p.c15);
         o[3] = fmaf(__uint_as_float((b & 0x0000f000u) | one), p.m11, p.c11);
+    }
+};
+
+// q4_nl_g128: the q4_g128 chunk layout; elements 4·(sub & 1) .. +3 of word sub / 2 are the
+// selector nibbles of one table lookup (common.cuh) giving the int8 levels L, then as q8_0: the
+// byte L + 128 = L ^ 0x80 in mantissa bits 8..15 of 1.0f, fmaf(f, d·2^15, -(2^15 + 128)·d) = L·d
+// exactly (the CPU's f32(d) · L).
+template <> struct Fmt<WT_Q4NL> {
+    static constexpr int EPC = 32;
+    typedef PQ8 P;
+    static __device__ __forceinline__ u64 row_bytes(u64 K) { return K / 2; }
+    static constexpr int SB = 2, GROUP = 128;
+    static __device__ __forceinline__ u64 scale_off(u64 n, u64 c, u64 K) { return 2 * (n * (K / 128) + c / 4); }
+    static __device__ __forceinline__ P prep(float d) { return PQ8{d * 32768.0f, d * -32896.0f}; }
+    static __device__ __forceinline__ void decode4(const uint4& r, int sub, const P& p, u32 one, float* o) {
+        u32 v = word_of(r, sub >> 1);
+        u32 u = q4nl_lookup4((sub & 1) ? (v >> 16) : v) ^ 0x80808080u;
+        o[0] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7604)), p.m, p.c);
+        o[1] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7614)), p.m, p.c);
+        o[2] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7624)), p.m, p.c);
+        o[3] = fmaf(__uint_as_float(__byte_perm(u, one, 0x7634)), p.m, p.c);
     }
 };
 
@@ -446,6 +475,10 @@ extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128_t8(GEMV_ARGS) {
 extern "C" __launch_bounds__(128, 3) __global__ void gemv_q4g128x_t1(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 1, 8, 2, true>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128x_t4(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 4, 8, 2, true>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4g128x_t8(GEMV_ARGS) { gemv_pipe<WT_Q4G128, 8, 4, 4, true>(GEMV_PASS); }
+// q4_nl_g128: the q4_g128 instance shapes (no coalesced-x variant).
+extern "C" __launch_bounds__(128, 3) __global__ void gemv_q4nl_t1(GEMV_ARGS) { gemv_pipe<WT_Q4NL, 1, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4nl_t4(GEMV_ARGS) { gemv_pipe<WT_Q4NL, 4, 8, 2>(GEMV_PASS); }
+extern "C" __launch_bounds__(128, 2) __global__ void gemv_q4nl_t8(GEMV_ARGS) { gemv_pipe<WT_Q4NL, 8, 4, 4>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 4) __global__ void gemv_f8e4m3_t1(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 1, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 3) __global__ void gemv_f8e4m3_t4(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 4, 8, 2>(GEMV_PASS); }
 extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) { gemv_pipe<WT_F8E4M3, 8, 4, 4>(GEMV_PASS); }

@@ -2,6 +2,7 @@
 //! model loader parallelises over rows, backends decode in their own kernels).
 
 use super::e4m3::{e4m3_round, f32_to_e4m3, E4M3_MAX, E4M3_TABLE};
+use super::q4_nl::{self, Q4_NL_LEVELS};
 use super::{quant_layout, QuantLayout, WeightFormatError, G128, Q8_0_GROUP};
 use crate::backend::WeightDType;
 use half::{bf16, f16};
@@ -53,14 +54,19 @@ pub fn quantize(
                 scales[2 * g..2 * g + 2].copy_from_slice(&d.to_le_bytes());
             }
         }
-        WeightDType::Q4G128 => {
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => {
+            let group = if dtype == WeightDType::Q4G128 {
+                quantize_q4_g128_group
+            } else {
+                q4_nl::quantize_group
+            };
             let (codes, scales) = out.split_at_mut(l.scales_offset);
             for (g, (x, c)) in values
                 .chunks_exact(G128)
                 .zip(codes.chunks_exact_mut(G128 / 2))
                 .enumerate()
             {
-                let d = quantize_q4_g128_group(x, c);
+                let d = group(x, c);
                 scales[2 * g..2 * g + 2].copy_from_slice(&d.to_le_bytes());
             }
         }
@@ -400,6 +406,21 @@ fn decode_row_unchecked(
                 }
             }
         }
+        WeightDType::Q4NlG128 => {
+            let codes = &bytes[row * k / 2..(row + 1) * k / 2];
+            let scales = l.scales_offset + 2 * row * (k / G128);
+            for (g, (o, c)) in out
+                .chunks_exact_mut(G128)
+                .zip(codes.chunks_exact(G128 / 2))
+                .enumerate()
+            {
+                let d = f16_at(bytes, scales + 2 * g);
+                for (pair, &b) in o.chunks_exact_mut(2).zip(c) {
+                    pair[0] = d * Q4_NL_LEVELS[usize::from(b & 0xF)];
+                    pair[1] = d * Q4_NL_LEVELS[usize::from(b >> 4)];
+                }
+            }
+        }
         WeightDType::F8E4M3 => {
             let codes = &bytes[row * k..(row + 1) * k];
             let per_row = k.div_ceil(G128);
@@ -512,6 +533,82 @@ mod tests {
         let q1 = (x[1] / d).round().clamp(-8.0, 7.0) as i32 + 8;
         assert_eq!(i32::from(bytes[0] & 0xF), q0);
         assert_eq!(i32::from(bytes[0] >> 4), q1);
+    }
+
+    #[test]
+    fn q4_nl_every_code_decodes_to_d_times_its_level() {
+        // One row of 128 whose codes are 0..16 repeated, scale 0.25 (exact in f16).
+        let l = quant_layout(WeightDType::Q4NlG128, &[1, 256]).expect("l");
+        let mut bytes = vec![0u8; l.total];
+        for (j, b) in bytes[..128].iter_mut().enumerate() {
+            let lo = (2 * j % 16) as u8;
+            *b = lo | ((lo + 1) << 4);
+        }
+        bytes[l.scales_offset..l.scales_offset + 2]
+            .copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+        bytes[l.scales_offset + 2..l.scales_offset + 4]
+            .copy_from_slice(&f16::from_f32(-3.0).to_le_bytes());
+        let y = dequantize(WeightDType::Q4NlG128, &bytes, &[1, 256]).expect("dq");
+        for (e, v) in y.iter().enumerate() {
+            let d = if e < 128 { 0.25 } else { -3.0 };
+            let u = e % 16;
+            assert_eq!(*v, d * Q4_NL_LEVELS[u], "element {e}");
+            assert_eq!(*v, d * f32::from(super::super::Q4_NL_LEVELS_I8[u]));
+        }
+        // The quantizer's codes pick the nearest level at the stored scale.
+        let x = random(4 * 128, 11);
+        let q = quantize(WeightDType::Q4NlG128, &x, &[4, 128]).expect("q");
+        let lq = quant_layout(WeightDType::Q4NlG128, &[4, 128]).expect("l");
+        for (e, &v) in x.iter().enumerate() {
+            let d = f16_at(&q, lq.scales_offset + 2 * (e / 128));
+            let u = (q[e / 2] >> (4 * (e % 2))) & 0xF;
+            assert_eq!(u, q4_nl::nearest_code(v / d), "element {e}");
+        }
+    }
+
+    #[test]
+    fn q4_nl_beats_uniform_q4_on_gaussian_like_groups() {
+        // Sums of uniforms (≈ Gaussian): the Lloyd-Max levels have the smaller squared error.
+        let mut r = rand::rngs::StdRng::seed_from_u64(9);
+        let (rows, k) = (64usize, 256usize);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| (0..6).map(|_| r.random_range(-1.0f32..1.0)).sum::<f32>() * 0.02)
+            .collect();
+        let err = |dt| {
+            let b = quantize(dt, &x, &[rows, k]).expect("q");
+            sq_err(&x, &dequantize(dt, &b, &[rows, k]).expect("dq"))
+        };
+        let (u, nl) = (err(WeightDType::Q4G128), err(WeightDType::Q4NlG128));
+        assert!(nl < 0.95 * u, "q4_nl {nl} vs q4 {u}");
+    }
+
+    #[test]
+    fn q4_nl_refinement_never_loses_to_the_plain_amax_scale() {
+        let (r, k) = (6usize, 256usize);
+        let x = random(r * k, 12);
+        let bytes = quantize(WeightDType::Q4NlG128, &x, &[r, k]).expect("q");
+        let y = dequantize(WeightDType::Q4NlG128, &bytes, &[r, k]).expect("dq");
+        let mut improved = 0;
+        for (xs, ys) in x.chunks(128).zip(y.chunks(128)) {
+            // Nearest-level codes at d = amax / 127 (candidate i = 45), computed independently.
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0 * (0.55 + 0.01 * 45.0f32)).to_f32();
+            let base: f64 = xs
+                .iter()
+                .map(|&v| {
+                    let best = Q4_NL_LEVELS
+                        .iter()
+                        .map(|l| d * l)
+                        .min_by(|a, b| (a - v).abs().total_cmp(&(b - v).abs()))
+                        .expect("16 levels");
+                    (f64::from(v) - f64::from(best)).powi(2)
+                })
+                .sum();
+            let got = sq_err(xs, ys);
+            assert!(got <= base * (1.0 + 1e-9), "{got} > base {base}");
+            improved += usize::from(got < base);
+        }
+        assert!(improved > 0, "the scale search never helped");
     }
 
     /// The stored f32 scales of an fp8 blob, row by row (`ceil(K/128)` per row).
@@ -634,13 +731,19 @@ mod tests {
         }
         assert!(quantize(WeightDType::Q8_0, &x, &[16, 32]).is_ok());
         assert!(quantize(WeightDType::Q4G128, &x, &[8, 64]).is_err());
+        assert!(quantize(WeightDType::Q4NlG128, &x, &[8, 64]).is_err());
     }
 
     #[test]
     fn zero_groups_quantize_to_zero() {
         let mut x = random(2 * 128, 5);
         x[..128].fill(0.0);
-        for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        for dt in [
+            WeightDType::Q8_0,
+            WeightDType::Q4G128,
+            WeightDType::F8E4M3,
+            WeightDType::Q4NlG128,
+        ] {
             let bytes = quantize(dt, &x, &[2, 128]).expect("q");
             let y = dequantize(dt, &bytes, &[2, 128]).expect("dq");
             assert!(y[..128].iter().all(|v| *v == 0.0), "{dt}");
@@ -662,13 +765,15 @@ mod tests {
                 (WeightDType::Q8_0, 1.0 / 254.0 + 1e-3),
                 (WeightDType::Q4G128, 1.0 / 16.0),
                 (WeightDType::F8E4M3, 1.0 / 16.0),
+                // Lloyd-Max levels: the largest gap (127 − 96) / 2 = 15.5 of 127 at d = amax/127.
+                (WeightDType::Q4NlG128, 15.5 / 127.0),
             ] {
                 let bytes = quantize(dt, &x, &[rows, k]).expect("q");
                 let y = dequantize(dt, &bytes, &[rows, k]).expect("dq");
                 let g = dt.group_len();
                 for (xs, ys) in x.chunks(g).zip(y.chunks(g)) {
                     let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    if dt == WeightDType::Q4G128 {
+                    if dt.is_q4() {
                         // The q4 search minimises the group's squared error and may clip an
                         // outlier to do so, so its bound is on the RMS: never worse than the
                         // base scale amax/8, whose error is at most half a step (amax/16).
@@ -695,7 +800,7 @@ mod tests {
                 // Quantizing the dequantized values reproduces them for q8_0 (the representable
                 // values are fixed points of the rounding); fp8 searches its scale again, so
                 // the values move by at most the format's bound.
-                if dt != WeightDType::Q4G128 {
+                if !dt.is_q4() {
                     let again = quantize(dt, &y, &[rows, k]).expect("q2");
                     let y2 = dequantize(dt, &again, &[rows, k]).expect("dq2");
                     for (ys, y2s) in y.chunks(g).zip(y2.chunks(g)) {

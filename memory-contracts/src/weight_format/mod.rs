@@ -10,18 +10,22 @@
 //! | `q8_0` (K % 32 == 0) | i8, `S = R·K` | f16 `[R, K/32]` | `f32(scale[r][k/32]) · q` |
 //! | `q4_g128` (K % 128 == 0) | nibbles, `S = R·K/2`, low nibble = even k, `q = u − 8` | f16 `[R, K/128]` | `f32(scale[r][k/128]) · q` |
 //! | `fp8_e4m3` (any K) | OCP E4M3 bytes, `S = R·K` | f32 `[R, ceil(K/128)]` | `e4m3(q) · scale[r][k/128]` |
+//! | `q4_nl_g128` (K % 128 == 0) | nibbles as `q4_g128`, code `u` | f16 `[R, K/128]` | `f32(scale[r][k/128]) · L[u]`, [`Q4_NL_LEVELS`] |
 //!
 //! Every value is computed with exactly one f32 multiply (for q8_0/q4_g128 the product is exact),
-//! so any backend that decodes a code the same way gets bit-identical weights.
+//! so any backend that decodes a code the same way gets bit-identical weights (`q4_nl_g128`'s
+//! levels are integers with |L| ≤ 127, so its product is exact too).
 //!
 //! * [`codec`]: [`quantize`], [`dequantize_row`], [`dequantize`].
 //! * [`e4m3`]: the FP8 E4M3 element codec.
 
 pub mod codec;
 pub mod e4m3;
+pub mod q4_nl;
 
 pub use codec::{dequantize, dequantize_row, quantize};
 pub use e4m3::{e4m3_to_f32, f32_to_e4m3, E4M3_TABLE};
+pub use q4_nl::{Q4_NL_LEVELS, Q4_NL_LEVELS_I8};
 
 use crate::backend::WeightDType;
 use crate::error::OpError;
@@ -70,12 +74,18 @@ impl From<WeightFormatError> for OpError {
 }
 
 impl WeightDType {
-    /// True for the block-quantized formats (`Q8_0`, `Q4G128`, `F8E4M3`).
+    /// True for the block-quantized formats (`Q8_0`, `Q4G128`, `F8E4M3`, `Q4NlG128`).
     pub const fn is_quantized(self) -> bool {
         matches!(
             self,
-            WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3
+            WeightDType::Q8_0 | WeightDType::Q4G128 | WeightDType::F8E4M3 | WeightDType::Q4NlG128
         )
+    }
+
+    /// True for the two 4-bit formats with the `q4_g128` byte layout (`Q4G128`, `Q4NlG128`):
+    /// nibbles (low first) and one f16 scale per 128 values; only the code → value map differs.
+    pub const fn is_q4(self) -> bool {
+        matches!(self, WeightDType::Q4G128 | WeightDType::Q4NlG128)
     }
 
     /// Values of a row that share one scale: 1 for the element types, 32 for `q8_0`, 128 for
@@ -84,15 +94,16 @@ impl WeightDType {
         match self {
             WeightDType::F32 | WeightDType::F16 | WeightDType::Bf16 => 1,
             WeightDType::Q8_0 => Q8_0_GROUP,
-            WeightDType::Q4G128 | WeightDType::F8E4M3 => G128,
+            WeightDType::Q4G128 | WeightDType::F8E4M3 | WeightDType::Q4NlG128 => G128,
         }
     }
 
-    /// What K (the last dim) must be a multiple of: 32 for `q8_0`, 128 for `q4_g128`, else 1.
+    /// What K (the last dim) must be a multiple of: 32 for `q8_0`, 128 for `q4_g128` and
+    /// `q4_nl_g128`, else 1.
     pub const fn k_multiple(self) -> usize {
         match self {
             WeightDType::Q8_0 => Q8_0_GROUP,
-            WeightDType::Q4G128 => G128,
+            WeightDType::Q4G128 | WeightDType::Q4NlG128 => G128,
             _ => 1,
         }
     }
@@ -104,19 +115,19 @@ impl WeightDType {
         quant_layout(self, dims).map(|l| l.total)
     }
 
-    /// Bits per weight for large tensors: 32, 16, 16, 8.5, 4.125, 8.25.
+    /// Bits per weight for large tensors: 32, 16, 16, 8.5, 4.125, 8.25, 4.125.
     pub fn bits_per_weight(self) -> f64 {
         match self {
             WeightDType::F32 => 32.0,
             WeightDType::F16 | WeightDType::Bf16 => 16.0,
             WeightDType::Q8_0 => 8.0 + 16.0 / 32.0,
-            WeightDType::Q4G128 => 4.0 + 16.0 / 128.0,
+            WeightDType::Q4G128 | WeightDType::Q4NlG128 => 4.0 + 16.0 / 128.0,
             WeightDType::F8E4M3 => 8.0 + 32.0 / 128.0,
         }
     }
 
-    /// Parses a name: `f32`, `f16`, `bf16`, `q8_0`, `q4_g128` or `q4`, `fp8_e4m3` or `fp8`
-    /// (ASCII case-insensitive). `None` for anything else.
+    /// Parses a name: `f32`, `f16`, `bf16`, `q8_0`, `q4_g128` or `q4`, `fp8_e4m3` or `fp8`,
+    /// `q4_nl_g128` or `q4_nl` (ASCII case-insensitive). `None` for anything else.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s.to_ascii_lowercase().as_str() {
             "f32" => WeightDType::F32,
@@ -125,6 +136,7 @@ impl WeightDType {
             "q8_0" => WeightDType::Q8_0,
             "q4_g128" | "q4" => WeightDType::Q4G128,
             "fp8_e4m3" | "fp8" => WeightDType::F8E4M3,
+            "q4_nl_g128" | "q4_nl" => WeightDType::Q4NlG128,
             _ => return None,
         })
     }
@@ -213,7 +225,7 @@ pub fn quant_layout(dtype: WeightDType, dims: &[usize]) -> Result<QuantLayout, W
             });
         }
         WeightDType::Q8_0 => (numel, 2 * (numel / Q8_0_GROUP)),
-        WeightDType::Q4G128 => (numel / 2, 2 * (numel / G128)),
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => (numel / 2, 2 * (numel / G128)),
         WeightDType::F8E4M3 => {
             let per_row = k.div_ceil(G128);
             let n = rows.checked_mul(per_row).ok_or_else(overflow)?;
@@ -249,6 +261,9 @@ mod tests {
         let q4 = quant_layout(WeightDType::Q4G128, &[r, k]).expect("q4");
         assert_eq!(q4.scales_offset, (r * k / 2).div_ceil(16) * 16);
         assert_eq!(q4.total, q4.scales_offset + 2 * r * k / 128);
+        // q4_nl_g128 has exactly the q4_g128 layout.
+        let nl = quant_layout(WeightDType::Q4NlG128, &[r, k]).expect("q4_nl");
+        assert_eq!(nl, q4);
 
         // fp8 with a partial last group and rows·K not a multiple of 16.
         let (r, k) = (5usize, 131usize);
@@ -282,6 +297,8 @@ mod tests {
             (WeightDType::Q8_0, 1),
             (WeightDType::Q4G128, 64),
             (WeightDType::Q4G128, 130),
+            (WeightDType::Q4NlG128, 64),
+            (WeightDType::Q4NlG128, 192 + 1),
         ] {
             let e = dt.storage_bytes(&[4, bad_k]).expect_err("bad K");
             assert!(
@@ -291,7 +308,12 @@ mod tests {
             assert!(e.to_string().contains("multiple"), "{e}");
         }
         assert!(WeightDType::F8E4M3.storage_bytes(&[4, 7]).is_ok());
-        for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        for dt in [
+            WeightDType::Q8_0,
+            WeightDType::Q4G128,
+            WeightDType::F8E4M3,
+            WeightDType::Q4NlG128,
+        ] {
             assert!(dt.storage_bytes(&[]).is_err());
             assert!(dt.storage_bytes(&[3, 0]).is_err());
             assert!(dt.storage_bytes(&[usize::MAX / 2, 256]).is_err());
@@ -319,6 +341,13 @@ mod tests {
         }
         assert_eq!(WeightDType::parse("q4"), Some(WeightDType::Q4G128));
         assert_eq!(WeightDType::parse("FP8"), Some(WeightDType::F8E4M3));
+        assert_eq!(WeightDType::parse("q4_nl"), Some(WeightDType::Q4NlG128));
+        assert_eq!(
+            WeightDType::parse("Q4_NL_G128"),
+            Some(WeightDType::Q4NlG128)
+        );
+        assert!(WeightDType::Q4NlG128.is_q4() && WeightDType::Q4G128.is_q4());
+        assert!(!WeightDType::Q8_0.is_q4());
         assert_eq!(WeightDType::parse("q4_0"), None);
     }
 }

@@ -25,7 +25,7 @@ fn fmt_err(name: &str) -> impl Fn(WeightFormatError) -> ModelError + '_ {
 /// Bytes of codes per row of a blob of `layout` in `dtype` (the element bytes for plain types).
 pub(crate) fn code_bytes_per_row(dtype: WeightDType, k: usize) -> usize {
     match dtype {
-        WeightDType::Q4G128 => k / 2,
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => k / 2,
         WeightDType::Q8_0 | WeightDType::F8E4M3 => k,
         plain => k * plain.size(),
     }
@@ -188,6 +188,7 @@ mod tests {
             WeightDType::Q4G128,
             WeightDType::F8E4M3,
             WeightDType::Bf16,
+            WeightDType::Q4NlG128,
         ] {
             let got = convert("w", tensor(&vals, &[r, k]), dt).expect("convert");
             let want = quantize(dt, &vals, &[r, k]).expect("quantize");

@@ -46,7 +46,7 @@ impl WeightPolicy {
     /// when `format` is a 4-bit format, else `None` (as stored).
     pub fn effective_head(&self) -> Option<WeightDType> {
         self.head_format.or(match self.format {
-            Some(WeightDType::Q4G128) => Some(WeightDType::Q8_0),
+            Some(WeightDType::Q4G128 | WeightDType::Q4NlG128) => Some(WeightDType::Q8_0),
             _ => None,
         })
     }

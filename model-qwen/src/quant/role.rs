@@ -104,4 +104,18 @@ mod tests {
         );
         assert!(p.is_as_stored());
     }
+
+    #[test]
+    fn q4_nl_policy_is_the_q4_policy() {
+        let p = WeightPolicy::new(Q4NlG128);
+        assert_eq!(p.effective_head(), Some(Q8_0));
+        let d = decide(Role::DecoderLinear, Bf16, &[64, 256], &p);
+        assert_eq!((d.dtype, d.fallback), (Q4NlG128, false));
+        let d = decide(Role::DecoderLinear, Bf16, &[64, 192], &p);
+        assert_eq!((d.dtype, d.fallback), (Q8_0, true));
+        let d = decide(Role::DecoderLinear, F32, &[64, 40], &p);
+        assert_eq!((d.dtype, d.fallback), (F32, true));
+        let d = decide(Role::Head, Bf16, &[512, 256], &p);
+        assert_eq!((d.dtype, d.fallback), (Q8_0, false));
+    }
 }

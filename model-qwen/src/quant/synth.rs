@@ -43,6 +43,8 @@ pub(crate) fn random_quantized(
                 .iter_mut()
                 .for_each(|b| *b = (*b as i8).max(-127) as u8),
             WeightDType::F8E4M3 => blob[..cb].iter_mut().for_each(|b| *b = fp8[*b as usize]),
+            // Every nibble is a level of the symmetric table (|L| ≤ 127).
+            WeightDType::Q4NlG128 => {}
             // Nibble 0 (q = -8) becomes 8 (q = 0): q is symmetric around 0.
             _ => blob[..cb].iter_mut().for_each(|b| {
                 let fix = |u: u8| if u == 0 { 8 } else { u };
@@ -52,6 +54,7 @@ pub(crate) fn random_quantized(
         let qmax = match dtype {
             WeightDType::Q8_0 => 127.0,
             WeightDType::Q4G128 => 8.0,
+            WeightDType::Q4NlG128 => 127.0,
             _ => 448.0,
         };
         let scales = &mut blob[bl.scales_offset..bl.scales_offset + n * scale_bytes_per_row(&bl)];
@@ -76,7 +79,12 @@ mod tests {
 
     #[test]
     fn random_blobs_have_the_synthetic_value_scale_and_are_deterministic() {
-        for dt in [WeightDType::Q8_0, WeightDType::Q4G128, WeightDType::F8E4M3] {
+        for dt in [
+            WeightDType::Q8_0,
+            WeightDType::Q4G128,
+            WeightDType::F8E4M3,
+            WeightDType::Q4NlG128,
+        ] {
             let dims = [300usize, 256];
             let a = random_quantized(dt, &dims, 9, 0.0346).expect("a");
             let b = random_quantized(dt, &dims, 9, 0.0346).expect("b");

@@ -1,4 +1,5 @@
-//! The fused GEMV kernels for whole quantized rows (`q8_0`, `q4_g128`, `fp8_e4m3`): each chunk
+//! The fused GEMV kernels for whole quantized rows (`q8_0`, `q4_g128`, `fp8_e4m3`,
+//! `q4_nl_g128`): each chunk
 //! of 32 weights is decoded once, in registers, and multiplied with up to [`MAX_MULTI`] inputs.
 //!
 //! The lanes (32 per chunk, chunks from the row start), the separately rounded multiply and add
@@ -7,7 +8,10 @@
 //! of its input and the dequantized row bit for bit, whatever T is and whichever of the scalar
 //! and AVX2 builds runs.
 
-use super::{dot_rows_decoded, reduce, WeightView, E4M3_TABLE, G128, LANES, MAX_MULTI, Q8_0_GROUP};
+use super::{
+    dot_rows_decoded, reduce, WeightView, E4M3_TABLE, G128, LANES, MAX_MULTI, Q4_NL_LEVELS,
+    Q8_0_GROUP,
+};
 use half::f16;
 
 /// [`WeightView::dot_rows`]: the fused per-format kernels for a whole quantized row, else
@@ -24,6 +28,7 @@ pub(super) fn dot_rows_impl(
         Some(QuantRow::Q8(r)) => fused_rows(xs, n, out, &r),
         Some(QuantRow::Q4(r)) => fused_rows(xs, n, out, &r),
         Some(QuantRow::F8(r)) => fused_rows(xs, n, out, &r),
+        Some(QuantRow::Q4Nl(r)) => fused_rows(xs, n, out, &r),
         None => dot_rows_decoded(w, xs, n, start, out),
     }
 }
@@ -33,6 +38,7 @@ enum QuantRow<'a> {
     Q8(Q8Row<'a>),
     Q4(Q4Row<'a>),
     F8(F8Row<'a>),
+    Q4Nl(Q4NlRow<'a>),
 }
 
 /// The row of elements `[start, start + n)` when it is one whole row of a quantized view and
@@ -57,6 +63,13 @@ fn quant_row<'a>(
         WeightView::Q4G128 { k, codes, scales } if ok(k) => {
             let (per_row, row) = (k / G128, start / k);
             Some(QuantRow::Q4(Q4Row {
+                codes: codes.get(start / 2..(start + k) / 2)?,
+                scales: scales.get(row * per_row..(row + 1) * per_row)?,
+            }))
+        }
+        WeightView::Q4NlG128 { k, codes, scales } if ok(k) => {
+            let (per_row, row) = (k / G128, start / k);
+            Some(QuantRow::Q4Nl(Q4NlRow {
                 codes: codes.get(start / 2..(start + k) / 2)?,
                 scales: scales.get(row * per_row..(row + 1) * per_row)?,
             }))
@@ -115,6 +128,28 @@ impl RowChunks for Q4Row<'_> {
         for (pair, &b) in w.chunks_exact_mut(2).zip(q) {
             pair[0] = d * f32::from((b & 0xF) as i8 - 8);
             pair[1] = d * f32::from((b >> 4) as i8 - 8);
+        }
+    }
+    #[inline(always)]
+    fn tail(&self, _x: &[f32]) -> f32 {
+        0.0
+    }
+}
+
+/// A `q4_nl_g128` row: K/2 nibble-pair bytes and K/128 f16 scales.
+struct Q4NlRow<'a> {
+    codes: &'a [u8],
+    scales: &'a [u16],
+}
+
+impl RowChunks for Q4NlRow<'_> {
+    #[inline(always)]
+    fn chunk(&self, c: usize, w: &mut [f32; LANES]) {
+        let d = f16::from_bits(self.scales[c / (G128 / LANES)]).to_f32();
+        let q: &[u8; LANES / 2] = lanes(&self.codes[c * LANES / 2..]);
+        for (pair, &b) in w.chunks_exact_mut(2).zip(q) {
+            pair[0] = d * Q4_NL_LEVELS[usize::from(b & 0xF)];
+            pair[1] = d * Q4_NL_LEVELS[usize::from(b >> 4)];
         }
     }
     #[inline(always)]
@@ -225,12 +260,13 @@ pub(super) unsafe fn dot_rows_avx2(
     start: usize,
     out: &mut [f32],
 ) {
-    // SAFETY (all three arms): AVX2 is enabled here; `quant_row` checked that the row slices
+    // SAFETY (all four arms): AVX2 is enabled here; `quant_row` checked that the row slices
     // are whole rows and that `xs` holds `out.len()` inputs of `n` values.
     match quant_row(w, xs, n, start, out.len()) {
         Some(QuantRow::Q8(r)) => unsafe { by_t!(q8_rows, xs, n, &r, out) },
         Some(QuantRow::Q4(r)) => unsafe { by_t!(q4_rows, xs, n, &r, out) },
         Some(QuantRow::F8(r)) => unsafe { by_t!(f8_rows, xs, n, &r, out) },
+        Some(QuantRow::Q4Nl(r)) => unsafe { by_t!(q4nl_rows, xs, n, &r, out) },
         None => dot_rows_decoded(w, xs, n, start, out),
     }
 }
@@ -240,7 +276,8 @@ pub(super) unsafe fn dot_rows_avx2(
 /// [`fused_rows`], hence bit-identical results.
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::{reduce, F8Row, Q4Row, Q8Row, RowChunks, E4M3_TABLE, LANES};
+    use super::{reduce, F8Row, Q4NlRow, Q4Row, Q8Row, RowChunks, E4M3_TABLE, LANES};
+    use kvstream_memory_contracts::weight_format::Q4_NL_LEVELS_I8;
     use std::arch::x86_64::*;
 
     /// The 32 weights of one chunk, 8 per register.
@@ -297,6 +334,35 @@ mod simd {
         let eight = _mm_set1_epi8(8);
         let v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
         let v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+        [
+            _mm256_mul_ps(d, i8x8(v0)),
+            _mm256_mul_ps(d, i8x8(_mm_srli_si128::<8>(v0))),
+            _mm256_mul_ps(d, i8x8(v1)),
+            _mm256_mul_ps(d, i8x8(_mm_srli_si128::<8>(v1))),
+        ]
+    }
+
+    /// `q4_nl_g128`: the nibbles index the 16-byte int8 table with one byte shuffle, then
+    /// `d · L[u]` as for q4_g128 (the i8 → f32 conversion is exact, so the product is the one
+    /// `dequantize` computes).
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn q4nl_chunk(r: &Q4NlRow<'_>, c: usize) -> Chunk {
+        let d = f16_splat(r.scales[c / 4]);
+        let q = &r.codes[c * LANES / 2..(c + 1) * LANES / 2];
+        // SAFETY: `q` has 16 bytes, the size of the load; the table is 16 bytes too.
+        let (b, table) = unsafe {
+            (
+                _mm_loadu_si128(q.as_ptr().cast()),
+                _mm_loadu_si128(Q4_NL_LEVELS_I8.as_ptr().cast()),
+            )
+        };
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(b, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+        // Interleave so element 2j is the low nibble of byte j, then look the levels up.
+        let v0 = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));
+        let v1 = _mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi));
         [
             _mm256_mul_ps(d, i8x8(v0)),
             _mm256_mul_ps(d, i8x8(_mm_srli_si128::<8>(v0))),
@@ -365,4 +431,5 @@ mod simd {
     fused!(q8_rows, Q8Row<'_>, q8_chunk);
     fused!(q4_rows, Q4Row<'_>, q4_chunk);
     fused!(f8_rows, F8Row<'_>, f8_chunk);
+    fused!(q4nl_rows, Q4NlRow<'_>, q4nl_chunk);
 }

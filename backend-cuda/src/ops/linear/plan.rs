@@ -24,17 +24,18 @@ pub(crate) const ROWS_PER_TEAM: [usize; 3] = [8, 8, 4];
 pub(crate) const TARGET_WARPS: usize = 2048;
 
 /// GEMV kernel names by dtype (the `dtype_code` order) and accumulator width (1, 4, 8).
-const GEMV_KERNELS: [[&str; 3]; 6] = [
+const GEMV_KERNELS: [[&str; 3]; 7] = [
     ["gemv_f32_t1", "gemv_f32_t4", "gemv_f32_t8"],
     ["gemv_f16_t1", "gemv_f16_t4", "gemv_f16_t8"],
     ["gemv_bf16_t1", "gemv_bf16_t4", "gemv_bf16_t8"],
     ["gemv_q8_0_t1", "gemv_q8_0_t4", "gemv_q8_0_t8"],
     ["gemv_q4g128_t1", "gemv_q4g128_t4", "gemv_q4g128_t8"],
     ["gemv_f8e4m3_t1", "gemv_f8e4m3_t4", "gemv_f8e4m3_t8"],
+    ["gemv_q4nl_t1", "gemv_q4nl_t4", "gemv_q4nl_t8"],
 ];
 
-/// Stream-K GEMV kernels (`gemv_sk_*`, see [`super::sk_plan`]) by dtype and width; q4_g128 has
-/// none.
+/// Stream-K GEMV kernels (`gemv_sk_*`, see [`super::sk_plan`]) by dtype and width; the 4-bit
+/// formats have none.
 fn sk_kernels(d: WeightDType) -> Option<[&'static str; 3]> {
     Some(match d {
         WeightDType::F32 => ["gemv_sk_f32_t1", "gemv_sk_f32_t4", "gemv_sk_f32_t8"],
@@ -46,7 +47,7 @@ fn sk_kernels(d: WeightDType) -> Option<[&'static str; 3]> {
             "gemv_sk_f8e4m3_t4",
             "gemv_sk_f8e4m3_t8",
         ],
-        WeightDType::Q4G128 => return None,
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => return None,
     })
 }
 
@@ -63,7 +64,7 @@ pub(crate) fn chunk_elems(d: WeightDType) -> usize {
         WeightDType::F32 => 4,
         WeightDType::F16 | WeightDType::Bf16 => 8,
         WeightDType::Q8_0 | WeightDType::F8E4M3 => 16,
-        WeightDType::Q4G128 => 32,
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => 32,
     }
 }
 
@@ -181,13 +182,14 @@ mod tests {
     use super::*;
     use crate::types::dtype_code;
 
-    const ALL: [WeightDType; 6] = [
+    const ALL: [WeightDType; 7] = [
         WeightDType::F32,
         WeightDType::F16,
         WeightDType::Bf16,
         WeightDType::Q8_0,
         WeightDType::Q4G128,
         WeightDType::F8E4M3,
+        WeightDType::Q4NlG128,
     ];
 
     #[test]
@@ -207,6 +209,7 @@ mod tests {
                 let tag = match d {
                     WeightDType::Q4G128 => "q4g128".to_string(),
                     WeightDType::F8E4M3 => "f8e4m3".to_string(),
+                    WeightDType::Q4NlG128 => "q4nl_t".to_string(),
                     other => other.to_string(),
                 };
                 assert!(name.contains(&tag), "{d} → {name}");
@@ -337,7 +340,7 @@ mod tests {
             let plans: Vec<_> = (1..=8)
                 .map(|t| gemv_plan(d, code, t, 17408, 5120, 0, 132, GemvSk::Auto))
                 .collect();
-            if d == WeightDType::Q4G128 {
+            if d.is_q4() {
                 assert!(plans
                     .iter()
                     .all(|p| matches!(p, Some(GemvPlan::Vector { .. }))));

@@ -140,12 +140,14 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// x rounded per (token, 128-group) to 22-bit integers (power-of-two scale) split into three signed bytes, in the
-    /// integer MMA fragment order (`gemv_q4i8_xprep`): 400 bytes per group and token.
+    /// integer MMA fragment order of `kernel` (`gemv_q4i8_xprep` for q4_g128,
+    /// `gemv_q4nl_i8_xprep` for q4_nl_g128): 400 bytes per group and token.
     pub(crate) fn q4_i8_xprep(
         &self,
         x: &CudaTensor,
         t: usize,
         k: usize,
+        kernel: &'static str,
     ) -> Result<CudaTensor, OpError> {
         let groups = t * (k / 128);
         let xf = self.tensor_uninit(&[groups, I8_XPREP_BYTES_PER_GROUP / 4])?;
@@ -154,7 +156,7 @@ impl CudaBackend {
             .map_err(|_| OpError::shape("matmul", format!("{t} x {k} activations is too many")))?;
         let (xp, xfp) = (x.ptr(), xf.ptr());
         let (t32, k64) = (t as i32, k as u64);
-        let f = self.func("gemv_q4i8_xprep")?;
+        let f = self.func(kernel)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (XPREP_THREADS, 1, 1),
@@ -264,6 +266,34 @@ mod tests {
                 for j in 0..4 {
                     for (reg, nibble) in [(0usize, 2 * j), (1, 2 * j + 1)] {
                         let code_k = 32 * tq + 8 * wd + nibble;
+                        assert_eq!(x_at[&(tq, wd, reg, j)], code_k, "tq {tq} wd {wd} j {j}");
+                        seen[code_k] += 1;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+    }
+
+    /// The q4_nl_g128 variant (`gemv_q4nl_i8_xprep`, `gemv_q4nli8p*`): xprep lane l = 2m + r
+    /// sends value i (k = 4l + i) to (tq = m / 4, wd = m % 4) byte i of b0 (r = 0) or b1 (r = 1);
+    /// the kernel's table lookup of the low (high) 16 bits of word wd puts code e = j (4 + j) in
+    /// a0 (a2) byte j. Every code meets its own x exactly once.
+    #[test]
+    fn nl_integer_fragments_pair_each_code_with_its_x_once() {
+        let mut x_at = std::collections::HashMap::new();
+        for lane in 0..32usize {
+            for i in 0..4usize {
+                let (tq, wd, reg) = (lane / 8, (lane / 2) % 4, lane % 2);
+                assert!(x_at.insert((tq, wd, reg, i), 4 * lane + i).is_none());
+            }
+        }
+        let mut seen = [0u8; GROUP];
+        for tq in 0..4 {
+            for wd in 0..4 {
+                for j in 0..4 {
+                    for (reg, e) in [(0usize, j), (1, 4 + j)] {
+                        let code_k = 32 * tq + 8 * wd + e;
                         assert_eq!(x_at[&(tq, wd, reg, j)], code_k, "tq {tq} wd {wd} j {j}");
                         seen[code_k] += 1;
                     }

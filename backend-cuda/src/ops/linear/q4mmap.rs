@@ -30,8 +30,14 @@ pub const MMAP_OCC_ENV: &str = "KVSTREAM_Q4_MMAP_OCC";
 pub(crate) enum MmapKind {
     /// x as split bf16 (hi + lo), codes as exact bf16, mma.m16n8k16 (`gemv_q4mmap*`).
     SplitBf16,
+    /// The split-bf16 kernel for q4_nl_g128: levels looked up as int8, converted to exact bf16
+    /// (`gemv_q4nlmmap*`, x prepared by `gemv_q4mma_xprep`).
+    SplitBf16Nl,
     /// x as 22-bit integers in three bytes, codes as u8, mma.m16n8k32 (`gemv_q4i8p*`).
     Int8,
+    /// The integer kernel for q4_nl_g128: codes looked up as int8 levels, mma.m16n8k32.s8.s8
+    /// (`gemv_q4nli8p*`, x prepared by `gemv_q4nl_i8_xprep`).
+    Int8Nl,
 }
 
 impl MmapKind {
@@ -43,14 +49,34 @@ impl MmapKind {
             super::q4mma::Q4Gemv::Simt | super::q4mma::Q4Gemv::Auto => None,
         }
     }
+
+    /// The persistent kernel a 4-bit weight of `dtype` runs on `path`: q4_g128 as
+    /// [`Self::for_path`], q4_nl_g128 its own builds of the same kernels; `None` for SIMT and for
+    /// other dtypes.
+    pub(crate) fn for_weight(
+        path: super::q4mma::Q4Gemv,
+        dtype: kvstream_memory_contracts::backend::WeightDType,
+    ) -> Option<Self> {
+        use kvstream_memory_contracts::backend::WeightDType;
+        match (dtype, Self::for_path(path)?) {
+            (WeightDType::Q4G128, kind) => Some(kind),
+            (WeightDType::Q4NlG128, MmapKind::Int8) => Some(MmapKind::Int8Nl),
+            (WeightDType::Q4NlG128, MmapKind::SplitBf16) => Some(MmapKind::SplitBf16Nl),
+            _ => None,
+        }
+    }
 }
 
 /// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
-pub(crate) const STAGED_KERNELS: [&str; 4] = [
+pub(crate) const STAGED_KERNELS: [&str; 8] = [
     "gemv_q4mmap_xs",
     "gemv_q4mmap3_xs",
     "gemv_q4i8p_xs",
     "gemv_q4i8p1_xs",
+    "gemv_q4nli8p_xs",
+    "gemv_q4nli8p1_xs",
+    "gemv_q4nlmmap_xs",
+    "gemv_q4nlmmap3_xs",
 ];
 
 /// The kernel for `kind`, `t` tokens, `per_sm` blocks per SM and x staged or not.
@@ -60,10 +86,18 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::SplitBf16, 3, _, false) => "gemv_q4mmap3",
         (MmapKind::SplitBf16, _, _, true) => "gemv_q4mmap_xs",
         (MmapKind::SplitBf16, _, _, false) => "gemv_q4mmap",
+        (MmapKind::SplitBf16Nl, 3, _, true) => "gemv_q4nlmmap3_xs",
+        (MmapKind::SplitBf16Nl, 3, _, false) => "gemv_q4nlmmap3",
+        (MmapKind::SplitBf16Nl, _, _, true) => "gemv_q4nlmmap_xs",
+        (MmapKind::SplitBf16Nl, _, _, false) => "gemv_q4nlmmap",
         (MmapKind::Int8, _, 1, true) => "gemv_q4i8p1_xs",
         (MmapKind::Int8, _, 1, false) => "gemv_q4i8p1",
         (MmapKind::Int8, _, _, true) => "gemv_q4i8p_xs",
         (MmapKind::Int8, _, _, false) => "gemv_q4i8p",
+        (MmapKind::Int8Nl, _, 1, true) => "gemv_q4nli8p1_xs",
+        (MmapKind::Int8Nl, _, 1, false) => "gemv_q4nli8p1",
+        (MmapKind::Int8Nl, _, _, true) => "gemv_q4nli8p_xs",
+        (MmapKind::Int8Nl, _, _, false) => "gemv_q4nli8p",
     }
 }
 
@@ -71,8 +105,8 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
 /// kernel has one build (2).
 fn blocks_per_sm_of(kind: MmapKind) -> usize {
     match kind {
-        MmapKind::SplitBf16 => blocks_per_sm(),
-        MmapKind::Int8 => 2,
+        MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => blocks_per_sm(),
+        MmapKind::Int8 | MmapKind::Int8Nl => 2,
     }
 }
 
@@ -153,8 +187,8 @@ fn staged_x_bytes(
     per_sm: usize,
 ) -> Option<usize> {
     let per_token = match kind {
-        MmapKind::SplitBf16 => k * 4,
-        MmapKind::Int8 => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
+        MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => k * 4,
+        MmapKind::Int8 | MmapKind::Int8Nl => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
     };
     let bytes = t * (per_token + 16);
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
@@ -202,8 +236,9 @@ impl CudaBackend {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
         let (scratch, counters) = self.mmap_buffers(plan)?;
         let xf = match kind {
-            MmapKind::SplitBf16 => self.q4_mma_xprep(x, t, k)?,
-            MmapKind::Int8 => self.q4_i8_xprep(x, t, k)?,
+            MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => self.q4_mma_xprep(x, t, k)?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep")?,
+            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep")?,
         };
         let per_sm = blocks_per_sm_of(kind);
         let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
@@ -387,7 +422,12 @@ mod tests {
 
     #[test]
     fn every_staged_kernel_has_a_reservation_bit_and_names_match_the_build() {
-        for kind in [MmapKind::SplitBf16, MmapKind::Int8] {
+        for kind in [
+            MmapKind::SplitBf16,
+            MmapKind::Int8,
+            MmapKind::Int8Nl,
+            MmapKind::SplitBf16Nl,
+        ] {
             for t in 1..=8 {
                 for per_sm in [2, 3] {
                     let staged = kernel_name(kind, t, per_sm, true);
@@ -399,6 +439,38 @@ mod tests {
         }
         assert_eq!(kernel_name(MmapKind::Int8, 1, 2, false), "gemv_q4i8p1");
         assert_eq!(kernel_name(MmapKind::Int8, 2, 2, false), "gemv_q4i8p");
+        assert_eq!(kernel_name(MmapKind::Int8Nl, 1, 2, false), "gemv_q4nli8p1");
+        for name in STAGED_KERNELS {
+            assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
+            assert!(
+                kvstream_kernels::module_of(&name[..name.len() - 3]).is_some(),
+                "{name}"
+            );
+        }
+        // q4_nl_g128 runs its builds of the tensor-core kernels, SIMT on the SIMT path.
+        use super::super::q4mma::Q4Gemv;
+        use kvstream_memory_contracts::backend::WeightDType;
+        let nl = WeightDType::Q4NlG128;
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Auto, nl),
+            Some(MmapKind::Int8Nl)
+        );
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Int8, nl),
+            Some(MmapKind::Int8Nl)
+        );
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::MmaPersistent, nl),
+            Some(MmapKind::SplitBf16Nl)
+        );
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Simt, nl), None);
+        let q4 = WeightDType::Q4G128;
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Auto, q4), Some(MmapKind::Int8));
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::MmaPersistent, q4),
+            Some(MmapKind::SplitBf16)
+        );
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Auto, WeightDType::Q8_0), None);
         assert!(STAGED_KERNELS.len() <= 32);
     }
 }

@@ -245,6 +245,10 @@ mod tests {
         // q4_g128 has no stream-K SIMT instances.
         for m in [GemvSk::Auto, GemvSk::On] {
             assert_eq!(use_stream_k(WeightDType::Q4G128, 17408, 5120, 132, m), None);
+            assert_eq!(
+                use_stream_k(WeightDType::Q4NlG128, 17408, 5120, 132, m),
+                None
+            );
         }
     }
 
