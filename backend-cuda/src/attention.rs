@@ -130,9 +130,11 @@ struct FastCfg {
 fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
     let khb = head_dim / 32 * 34;
     let vhb = head_dim / 32 * 18;
-    2 * ATT_FAST_CHUNK * (khb + vhb)
+    // K double buffered, V single buffered, query fragments, scores of the 8·nt rows, m/l/alpha.
+    2 * ATT_FAST_CHUNK * khb
+        + ATT_FAST_CHUNK * vhb
         + head_dim / 16 * nt * 32 * 16
-        + ATT_FAST_ROWS * ATT_FAST_SROW * 4
+        + 8 * nt * ATT_FAST_SROW * 4
         + 3 * ATT_FAST_ROWS * 4
 }
 

@@ -182,23 +182,24 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 //
 // Grid: (kv_heads, n_splits, query tiles); block: 128 threads = 4 warps; one block = one (KV head, split) and all
 // R query rows of the group, so each K/V byte is read from HBM once for all queries. The split's
-// chunks (every n_splits-th 64-token chunk, 64-aligned, inside one page) are walked in token order,
-// double buffered with cp.async:
+// chunks (every n_splits-th 64-token chunk, 64-aligned, inside one page) are walked in token order
+// with cp.async, K double buffered and V single buffered (smaller blocks: 4 per SM at width 1):
 //
-//   wait chunk c; sync; issue chunk c+1 into the other buffer;
+//   wait K(c), V(c - 1) done; sync; issue V(c) (c > 0) into the V buffer, K(c+1) into the other
+//                  K buffer (two commit groups);
 //   phase 1 (QK):  warp w: tokens 16w..16w+15 of the chunk x all rows -> scores sS[row][token]
 //   sync
 //   phase 2 (softmax): warp w, lane (rs = lane/4, part = lane%4): row 8w+rs, tokens part+4i;
 //                  new max, alpha, p = exp2(s - max), sum; P overwrites S; state m, l, alpha in smem
-//   sync
+//   wait V(c) (all but the newest group); sync
 //   phase 3 (PV):  warp w: dims [w*D/4, (w+1)*D/4) x all rows, over the 64 tokens;
 //                  acc (registers, MMA layout) = acc * alpha + V^T P^T
 //
 // Every step is a fixed function of the chunk's token indices and contents, processed in token
 // order, so layout independence holds exactly as for the generic path.
 //
-// Dynamic shared memory (bytes): kbuf[2][64][KHB] vbuf[2][64][VHB] qf[D/16][NT][32] (uint4)
-// sS[32][FA_SROW] (f32) sM[32] sL[32] sA[32]  (KHB = D/32*34, VHB = D/32*18, NT = ceil(R/8)).
+// Dynamic shared memory (bytes): kbuf[2][64][KHB] vbuf[64][VHB] qf[D/16][NT][32] (uint4)
+// sS[8·NT][FA_SROW] (f32) sM[32] sL[32] sA[32]  (KHB = D/32*34, VHB = D/32*18, NT = ceil(R/8)).
 
 #define FA_CHUNK 64
 #define FA_THREADS 128
@@ -222,6 +223,9 @@ __device__ __forceinline__ void fa_cp4(void* dst, const void* src) {
 __device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void fa_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Waits for all but the newest commit group.
+__device__ __forceinline__ void fa_wait_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 // Packs f16(lo_val) into the low half and f16(hi_val) into the high half (round to nearest even).
 __device__ __forceinline__ u32 fa_pack(float lo_val, float hi_val) {
@@ -271,42 +275,28 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Issues the asynchronous copy of `cnt` tokens' K and V head rows (token t of the chunk at
-// ksrc + t * krow, vsrc + t * vrow) into kdst[t][KHB], vdst[t][VHB]. `vec` is the copy width the
-// launcher proved aligned for every address (16, 4, or 1 for plain synchronous byte copies).
-__device__ __forceinline__ void fa_issue(u8* kdst, u8* vdst, const u8* ksrc, const u8* vsrc, int cnt, int KHB,
-                                         int VHB, u64 krow, u64 vrow, int vec) {
+// Issues the asynchronous copy of `cnt` tokens' head rows of one plane (token t of the chunk at
+// src + t * row) into dst[t][HB], without committing. `vec` is the copy width the launcher proved
+// aligned for every address (16, 4, or 1 for plain synchronous byte copies).
+__device__ __forceinline__ void fa_issue_plane(u8* dst, const u8* src, int cnt, int HB, u64 row, int vec) {
     if (vec == 16) {
-        const int nk = KHB >> 4, nv = VHB >> 4;
-        for (int i = threadIdx.x; i < cnt * nk; i += FA_THREADS) {
-            int t = i / nk, p = i - t * nk;
-            fa_cp16(kdst + t * KHB + p * 16, ksrc + t * krow + p * 16);
-        }
-        for (int i = threadIdx.x; i < cnt * nv; i += FA_THREADS) {
-            int t = i / nv, p = i - t * nv;
-            fa_cp16(vdst + t * VHB + p * 16, vsrc + t * vrow + p * 16);
+        const int n = HB >> 4;
+        for (int i = threadIdx.x; i < cnt * n; i += FA_THREADS) {
+            int t = i / n, p = i - t * n;
+            fa_cp16(dst + t * HB + p * 16, src + t * row + p * 16);
         }
     } else if (vec == 4) {
-        const int nk = KHB >> 2, nv = VHB >> 2;
-        for (int i = threadIdx.x; i < cnt * nk; i += FA_THREADS) {
-            int t = i / nk, p = i - t * nk;
-            fa_cp4(kdst + t * KHB + p * 4, ksrc + t * krow + p * 4);
-        }
-        for (int i = threadIdx.x; i < cnt * nv; i += FA_THREADS) {
-            int t = i / nv, p = i - t * nv;
-            fa_cp4(vdst + t * VHB + p * 4, vsrc + t * vrow + p * 4);
+        const int n = HB >> 2;
+        for (int i = threadIdx.x; i < cnt * n; i += FA_THREADS) {
+            int t = i / n, p = i - t * n;
+            fa_cp4(dst + t * HB + p * 4, src + t * row + p * 4);
         }
     } else {
-        for (int i = threadIdx.x; i < cnt * KHB; i += FA_THREADS) {
-            int t = i / KHB, p = i - t * KHB;
-            kdst[i] = ksrc[t * krow + p];
-        }
-        for (int i = threadIdx.x; i < cnt * VHB; i += FA_THREADS) {
-            int t = i / VHB, p = i - t * VHB;
-            vdst[i] = vsrc[t * vrow + p];
+        for (int i = threadIdx.x; i < cnt * HB; i += FA_THREADS) {
+            int t = i / HB, p = i - t * HB;
+            dst[i] = src[t * row + p];
         }
     }
-    fa_commit();
 }
 
 template <int NT, int D>
@@ -362,10 +352,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     const int nchunks = (chi - cfirst + n_splits - 1) / n_splits;
 
     u8* kbuf = sm;                                        // [2][64][KHB]
-    u8* vbuf = kbuf + 2 * FA_CHUNK * KHB;                 // [2][64][VHB]
-    uint4* qf = (uint4*)(vbuf + 2 * FA_CHUNK * VHB);      // [KS][NT][32]
-    float* sS = (float*)(qf + KS * NT * 32);              // [32][FA_SROW]
-    float* sM = sS + FA_ROWS * FA_SROW;                   // [32]
+    u8* vbuf = kbuf + 2 * FA_CHUNK * KHB;                 // [64][VHB]
+    uint4* qf = (uint4*)(vbuf + FA_CHUNK * VHB);          // [KS][NT][32]
+    float* sS = (float*)(qf + KS * NT * 32);              // [8·NT][FA_SROW] (rows < 8·NT only)
+    float* sM = sS + 8 * NT * FA_SROW;                    // [32]
     float* sL = sM + FA_ROWS;                             // [32]
     float* sA = sL + FA_ROWS;                             // [32]
     const int rowlen = D + 2;
@@ -373,18 +363,29 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     // Chunk source addresses. A 64-aligned chunk lies inside one page (pages hold a power of two
     // >= 64 tokens and span_first is a page boundary).
     const u8* base = pool + span_offset;
-    auto issue = [&](int ci) {
+    // Chunk ci's page offset and token count.
+    auto where = [&](int ci, int& cnt) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
-        const int cnt = min(FA_CHUNK, end - c0);
+        cnt = min(FA_CHUNK, end - c0);
         const int rel = c0 - span_first;
-        const u64 page = (u64)(rel / geo.tpp), slot = (u64)(rel % geo.tpp);
-        const u8* ks = base + page * geo.page_bytes + slot * geo.k_row_bytes + (u64)kvh * KHB;
-        const u8* vs = base + page * geo.page_bytes + geo.v_plane_off + slot * geo.v_row_bytes + (u64)kvh * VHB;
-        const int b = ci & 1;
-        fa_issue(kbuf + b * FA_CHUNK * KHB, vbuf + b * FA_CHUNK * VHB, ks, vs, cnt, KHB, VHB, geo.k_row_bytes,
-                 geo.v_row_bytes, vec);
+        return base + (u64)(rel / geo.tpp) * geo.page_bytes;
     };
-    issue(0);
+    auto slot_of = [&](int ci) { return (u64)(((cfirst + ci * n_splits) * FA_CHUNK - span_first) % geo.tpp); };
+    auto issue_k = [&](int ci) {  // into K buffer ci & 1
+        int cnt;
+        const u8* pg = where(ci, cnt);
+        fa_issue_plane(kbuf + (ci & 1) * FA_CHUNK * KHB, pg + slot_of(ci) * geo.k_row_bytes + (u64)kvh * KHB, cnt,
+                       KHB, geo.k_row_bytes, vec);
+    };
+    auto issue_v = [&](int ci) {  // into the V buffer
+        int cnt;
+        const u8* pg = where(ci, cnt);
+        fa_issue_plane(vbuf, pg + geo.v_plane_off + slot_of(ci) * geo.v_row_bytes + (u64)kvh * VHB, cnt, VHB,
+                       geo.v_row_bytes, vec);
+    };
+    issue_k(0);
+    issue_v(0);
+    fa_commit();
 
     // Query fragments (B operand of QK, k = dim, n = row): entry (ks, nt, lane) holds rows
     // nt*8 + lane/4, dims ks*16 + 2*(lane%4) + {0, 1, 8, 9}, as {hi(0,1), hi(8,9), lo(0,1), lo(8,9)}.
@@ -443,11 +444,14 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     for (int ci = 0; ci < nchunks; ci++) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
         const int cnt = min(FA_CHUNK, end - c0);
-        fa_wait_all();
-        __syncthreads();  // chunk ci visible to all; everyone is done with chunk ci-1's buffers
-        if (ci + 1 < nchunks) issue(ci + 1);
+        fa_wait_all();    // K(ci) (and, for ci = 0, V(0)); V(ci - 1) was waited for in ci - 1
+        __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
+        if (ci > 0) issue_v(ci);
+        fa_commit();
+        if (ci + 1 < nchunks) issue_k(ci + 1);
+        fa_commit();  // possibly empty: phase 3 waits for all groups but this one
         const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
-        const u8* vb = vbuf + (ci & 1) * FA_CHUNK * VHB;
+        const u8* vb = vbuf;
 
         // ---- phase 1: S[row][token] for tokens 16w + g and 16w + g + 8.
         {
@@ -546,6 +550,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
+        fa_wait_but_newest();  // V(ci)
         __syncthreads();
 
         // ---- phase 3: acc = acc * alpha + V^T P^T over the chunk's 64 tokens.
