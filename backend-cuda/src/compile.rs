@@ -76,12 +76,17 @@ fn parse_defines(v: &str) -> Vec<String> {
         .filter(|e| !e.is_empty())
         .filter_map(|e| match e.split_once('=') {
             Some((n, val))
-                if ident(n) && !val.is_empty() && val.chars().all(|c| c.is_ascii_alphanumeric()) =>
+                if ident(n)
+                    && !val.is_empty()
+                    && val.chars().all(|c| c.is_ascii_alphanumeric()) =>
             {
                 Some(format!("-D{n}={val}"))
             }
             _ => {
-                tracing::warn!(entry = e, "{NVRTC_DEFINES_ENV}: ignoring an entry that is not NAME=VALUE");
+                tracing::warn!(
+                    entry = e,
+                    "{NVRTC_DEFINES_ENV}: ignoring an entry that is not NAME=VALUE"
+                );
                 None
             }
         })
@@ -92,7 +97,11 @@ fn parse_defines(v: &str) -> Vec<String> {
 pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> String {
     let mut h = Sha256::new();
     h.update(module.full_source().as_bytes());
-    for o in NVRTC_OPTIONS.iter().map(|s| s.to_string()).chain(extra_defines()) {
+    for o in NVRTC_OPTIONS
+        .iter()
+        .map(|s| s.to_string())
+        .chain(extra_defines())
+    {
         h.update(o.as_bytes());
         h.update([0u8]);
     }
