@@ -28,13 +28,16 @@ pub const FUSE_ENV: &str = "KVSTREAM_FUSE_PROJ";
 
 /// Whether projections are fused: `explicit` when set, else [`FUSE_ENV`] (default on).
 pub(crate) fn fuse_enabled(explicit: Option<bool>) -> bool {
-    explicit.unwrap_or_else(|| {
-        !std::env::var(FUSE_ENV).is_ok_and(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "0" | "off" | "false"
-            )
-        })
+    explicit.unwrap_or_else(|| env_value_enables(std::env::var(FUSE_ENV).ok().as_deref()))
+}
+
+/// The meaning of a [`FUSE_ENV`] value: off for `0`, `off`, `false` (any case), else on.
+fn env_value_enables(v: Option<&str>) -> bool {
+    !v.is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        )
     })
 }
 
@@ -203,6 +206,12 @@ mod tests {
     fn the_switch_defaults_to_on() {
         assert!(fuse_enabled(Some(true)));
         assert!(!fuse_enabled(Some(false)));
+        assert!(env_value_enables(None));
+        assert!(env_value_enables(Some("1")));
+        assert!(env_value_enables(Some("on")));
+        for off in ["0", "off", "FALSE", " 0 "] {
+            assert!(!env_value_enables(Some(off)), "{off}");
+        }
     }
 
     /// Synthetic sources write each part's rows exactly as `get_as` lays them out (random
