@@ -4,6 +4,7 @@
 use crate::attention_kv::{AttentionKv, AttentionPhase};
 use crate::config::{GateActivation, QwenConfig};
 use crate::error::ModelError;
+use crate::fused::Proj;
 use crate::quant::role::{decide, Role};
 use crate::quant::{LoadReport, WeightPolicy};
 use crate::state::GdnState;
@@ -20,6 +21,10 @@ pub(crate) struct Loader<'a, B: ModelBackend> {
     /// Role of the linears `Layer::load` asks for (decoder layers, or the MTP head).
     pub linear_role: Role,
     pub report: LoadReport,
+    /// Fuse linears that share their input ([`Loader::linears`]).
+    pub fuse: bool,
+    /// Fused weights made so far.
+    pub fused: usize,
 }
 
 impl<'a, B: ModelBackend> Loader<'a, B> {
@@ -30,6 +35,8 @@ impl<'a, B: ModelBackend> Loader<'a, B> {
             policy,
             linear_role: Role::DecoderLinear,
             report: LoadReport::default(),
+            fuse: true,
+            fused: 0,
         }
     }
 
@@ -70,8 +77,8 @@ impl<'a, B: ModelBackend> Loader<'a, B> {
 
 /// SwiGLU MLP.
 pub(crate) struct Mlp<B: ModelBackend> {
-    gate: B::Weight,
-    up: B::Weight,
+    /// `[gate; up]` (fused: `[2i, h]`).
+    gate_up: Proj<B>,
     down: B::Weight,
 }
 
@@ -79,15 +86,16 @@ impl<B: ModelBackend> Mlp<B> {
     fn load(l: &mut Loader<'_, B>, p: &str, c: &QwenConfig) -> Result<Self, ModelError> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         Ok(Self {
-            gate: l.linear(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
-            up: l.linear(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
+            gate_up: l.linears(&[
+                (format!("{p}mlp.gate_proj.weight"), vec![i, h]),
+                (format!("{p}mlp.up_proj.weight"), vec![i, h]),
+            ])?,
             down: l.linear(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
         })
     }
 
     fn forward(&self, b: &B, u: &B::Tensor) -> Result<B::Tensor, ModelError> {
-        let g = b.matmul(u, &self.gate)?;
-        let up = b.matmul(u, &self.up)?;
+        let [g, up] = self.gate_up.forward_n(b, u)?;
         let a = b.swiglu(&g, &up)?;
         Ok(b.matmul(&a, &self.down)?)
     }
@@ -95,9 +103,8 @@ impl<B: ModelBackend> Mlp<B> {
 
 /// Gated full attention (qwen-spec §3.4).
 pub(crate) struct Attention<B: ModelBackend> {
-    q_proj: B::Weight,
-    k_proj: B::Weight,
-    v_proj: B::Weight,
+    /// `[q (with gate); k; v]`.
+    qkv: Proj<B>,
     o_proj: B::Weight,
     q_norm: B::Weight,
     k_norm: B::Weight,
@@ -112,9 +119,11 @@ impl<B: ModelBackend> Attention<B> {
             c.head_dim,
         );
         Ok(Self {
-            q_proj: l.linear(&format!("{p}self_attn.q_proj.weight"), &[nh * d * 2, h])?,
-            k_proj: l.linear(&format!("{p}self_attn.k_proj.weight"), &[nkv * d, h])?,
-            v_proj: l.linear(&format!("{p}self_attn.v_proj.weight"), &[nkv * d, h])?,
+            qkv: l.linears(&[
+                (format!("{p}self_attn.q_proj.weight"), vec![nh * d * 2, h]),
+                (format!("{p}self_attn.k_proj.weight"), vec![nkv * d, h]),
+                (format!("{p}self_attn.v_proj.weight"), vec![nkv * d, h]),
+            ])?,
             o_proj: l.linear(&format!("{p}self_attn.o_proj.weight"), &[h, nh * d])?,
             q_norm: l.get(&format!("{p}self_attn.q_norm.weight"), &[d])?,
             k_norm: l.get(&format!("{p}self_attn.k_norm.weight"), &[d])?,
@@ -138,14 +147,12 @@ impl<B: ModelBackend> Attention<B> {
             c.head_dim,
             positions.len(),
         );
-        let qg = b.matmul(u, &self.q_proj)?;
+        let [qg, k, v] = self.qkv.forward_n(b, u)?;
         let mut parts = b.split_cols(&qg, nh, &[d, d])?.into_iter();
         let (q, gate) = match (parts.next(), parts.next()) {
             (Some(q), Some(g)) => (q, g),
             _ => return Err(ModelError::Input("q_proj split".into())),
         };
-        let k = b.matmul(u, &self.k_proj)?;
-        let v = b.matmul(u, &self.v_proj)?;
         let q = b.rms_norm(&q, &self.q_norm, c.rms_norm_eps, 1.0)?;
         let k = b.rms_norm(&k, &self.k_norm, c.rms_norm_eps, 1.0)?;
         let q = b.reshape(q, &[t, nh, d])?;
@@ -162,8 +169,8 @@ impl<B: ModelBackend> Attention<B> {
 
 /// Gated DeltaNet (qwen-spec §3.6).
 pub(crate) struct Gdn<B: ModelBackend> {
-    in_proj_qkv: B::Weight,
-    in_proj_z: B::Weight,
+    /// `[in_proj_qkv; in_proj_z]` (fused: `[conv_dim + vd, h]`).
+    in_proj_qkvz: Proj<B>,
     in_proj_b: B::Weight,
     in_proj_a: B::Weight,
     conv1d: B::Weight,
@@ -191,8 +198,13 @@ impl<B: ModelBackend> Gdn<B> {
         let vd = hv * c.linear_value_head_dim;
         let p = format!("{p}linear_attn.");
         Ok(Self {
-            in_proj_qkv: l.linear(&format!("{p}in_proj_qkv.weight"), &[c.linear_conv_dim(), h])?,
-            in_proj_z: l.linear(&format!("{p}in_proj_z.weight"), &[vd, h])?,
+            in_proj_qkvz: l.linears(&[
+                (
+                    format!("{p}in_proj_qkv.weight"),
+                    vec![c.linear_conv_dim(), h],
+                ),
+                (format!("{p}in_proj_z.weight"), vec![vd, h]),
+            ])?,
             in_proj_b: l.get(&format!("{p}in_proj_b.weight"), &[hv, h])?,
             in_proj_a: l.get(&format!("{p}in_proj_a.weight"), &[hv, h])?,
             conv1d: l.get(
@@ -221,8 +233,7 @@ impl<B: ModelBackend> Gdn<B> {
             c.linear_key_head_dim,
             c.linear_value_head_dim,
         );
-        let m = b.matmul(u, &self.in_proj_qkv)?;
-        let z = b.matmul(u, &self.in_proj_z)?;
+        let [m, z] = self.in_proj_qkvz.forward_n(b, u)?;
         let bb = b.matmul(u, &self.in_proj_b)?;
         let a = b.matmul(u, &self.in_proj_a)?;
         let step = |m: &B::Tensor,

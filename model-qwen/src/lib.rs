@@ -13,11 +13,14 @@
 //! * [`attention_kv`]: the seam to whoever owns the KV cache; [`resident`]: all-resident KV.
 //! * [`quant`]: quantized weights ([`WeightPolicy`], [`save_quantized`], [`plan_weight_bytes`]);
 //!   [`embedding`]: the host-resident embedding table.
+//! * Linears that share their input (MLP gate/up, GDN in_proj_qkv/z, attention q/k/v) are
+//!   loaded fused into one weight (`fused`, [`FUSE_ENV`], [`LoadOptions::fuse_projections`]).
 
 pub mod attention_kv;
 pub mod config;
 pub mod embedding;
 pub mod error;
+mod fused;
 mod layers;
 pub mod model;
 pub mod quant;
@@ -32,6 +35,7 @@ pub use attention_kv::{AttentionKv, AttentionPhase};
 pub use config::{GateActivation, LayerType, QwenConfig};
 pub use embedding::HostEmbedding;
 pub use error::ModelError;
+pub use fused::FUSE_ENV;
 pub use model::ImageEmbeds;
 pub use model::{text_positions, ForwardOutput, LoadOptions, LogitRows, QwenModel, GDN_CHUNK};
 pub use quant::{

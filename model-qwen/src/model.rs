@@ -31,6 +31,11 @@ pub struct LoadOptions {
     pub load_mtp: bool,
     /// Formats of the weights on the device (default: as stored).
     pub weights: WeightPolicy,
+    /// Load linears that share their input (MLP gate/up, GDN `in_proj_qkv`/`in_proj_z`,
+    /// attention q/k/v) as one fused weight each: `None` (default) = on unless the environment
+    /// says `KVSTREAM_FUSE_PROJ=0` ([`crate::FUSE_ENV`]). Results are the same on the CPU
+    /// backend bit for bit, and so are the load report and the memory plan.
+    pub fuse_projections: Option<bool>,
 }
 
 /// Which rows of the final hidden state get logits.
@@ -75,6 +80,7 @@ pub struct QwenModel<B: ModelBackend> {
     weight_bytes: usize,
     mtp_weight_bytes: usize,
     report: LoadReport,
+    fused_projections: usize,
 }
 
 impl<B: ModelBackend> std::fmt::Debug for QwenModel<B> {
@@ -136,6 +142,7 @@ impl<B: ModelBackend> QwenModel<B> {
             "model."
         };
         let mut l = Loader::new(backend, ck, opts.weights);
+        l.fuse = crate::fused::fuse_enabled(opts.fuse_projections);
         let (h, v) = (c.hidden_size, c.vocab_size);
         let embed_name = format!("{prefix}embed_tokens.weight");
         let embed = ck.host_embedding(&embed_name, &[v, h])?;
@@ -186,6 +193,7 @@ impl<B: ModelBackend> QwenModel<B> {
             quantized = l.report.quantized,
             kept = l.report.kept,
             fallback = l.report.fallback.len(),
+            fused = l.fused,
             device_bytes = weight_bytes,
             host_embedding_bytes = l.report.host_embedding_bytes,
             "weights loaded"
@@ -200,6 +208,7 @@ impl<B: ModelBackend> QwenModel<B> {
             weight_bytes,
             mtp_weight_bytes,
             report: l.report,
+            fused_projections: l.fused,
         })
     }
 
@@ -220,6 +229,11 @@ impl<B: ModelBackend> QwenModel<B> {
     /// What the load did: quantized/kept counts, fallbacks, device and host bytes.
     pub fn load_report(&self) -> &LoadReport {
         &self.report
+    }
+
+    /// Fused projection weights (each replacing 2 or 3 linears; 0 with fusion off).
+    pub fn fused_projections(&self) -> usize {
+        self.fused_projections
     }
 
     /// The host-resident embedding table.

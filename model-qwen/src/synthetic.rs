@@ -5,8 +5,8 @@
 
 use crate::embedding::HostEmbedding;
 use crate::error::ModelError;
-use crate::quant::convert::convert;
-use crate::quant::synth::random_quantized;
+use crate::quant::convert::{convert, convert_into};
+use crate::quant::synth::{random_quantized, random_quantized_into};
 use crate::weights::{Checkpoint, TensorRef};
 use half::{bf16, f16};
 use kvstream_memory_contracts::backend::WeightDType;
@@ -35,6 +35,21 @@ pub trait TensorSource {
     ) -> Result<TensorRef, ModelError> {
         convert(name, self.get(name, expected)?, target)
     }
+    /// The tensor converted to `target` and written into `codes` / `scales`, the code and
+    /// scale sections of its rows inside a larger blob of `target` (a fused weight: rows of
+    /// several tensors concatenated; see `quant::convert::fill_sections`). The bytes equal the
+    /// sections of [`TensorSource::get_as`]'s blob. Default: [`TensorSource::get`] (in place
+    /// for checkpoints) converted block by block straight into the sections.
+    fn get_into(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<(), ModelError> {
+        convert_into(name, &self.get(name, expected)?, target, codes, scales)
+    }
     /// The embedding table `name` `[vocab, hidden]` as a host-side table.
     fn host_embedding(&self, name: &str, expected: &[usize]) -> Result<HostEmbedding, ModelError> {
         HostEmbedding::stored(name, self.get(name, expected)?)
@@ -50,6 +65,16 @@ impl TensorSource for Checkpoint {
     }
     fn stored_dtype(&self, name: &str, expected: &[usize]) -> Result<WeightDType, ModelError> {
         Checkpoint::stored_dtype(self, name, expected)
+    }
+    fn get_into(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<(), ModelError> {
+        Checkpoint::get_into(self, name, expected, target, codes, scales)
     }
 }
 
@@ -224,6 +249,31 @@ impl TensorSource for SyntheticWeights {
             });
         }
         convert(name, self.get(name, expected)?, target)
+    }
+    fn get_into(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<(), ModelError> {
+        if target.is_quantized() && SyntheticInit::for_name(name) == SyntheticInit::Matrix {
+            let k = expected.last().copied().unwrap_or(1);
+            return random_quantized_into(
+                target,
+                k,
+                self.seed ^ name_hash(name),
+                SyntheticInit::MATRIX_AMAX,
+                codes,
+                scales,
+            )
+            .map_err(|source| ModelError::WeightFormat {
+                name: name.to_string(),
+                source,
+            });
+        }
+        convert_into(name, &self.get(name, expected)?, target, codes, scales)
     }
     fn host_embedding(&self, name: &str, expected: &[usize]) -> Result<HostEmbedding, ModelError> {
         match expected {

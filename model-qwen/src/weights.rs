@@ -10,7 +10,8 @@
 //!   mapped onto [`WeightDType::F8E4M3`] (one copy of the codes plus f32 scales).
 
 use crate::error::ModelError;
-use crate::quant::fp8::{fp8_blob, ScaleRef};
+use crate::quant::convert::convert_into;
+use crate::quant::fp8::{fp8_blob, fp8_blob_into, ScaleRef};
 use crate::quant::meta::parse_meta;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::ops::WeightData;
@@ -291,9 +292,8 @@ impl Checkpoint {
         })
     }
 
-    /// A public FP8 weight (`F8_E4M3` + `{name}_scale_inv` or `{name}_scale`) as an
-    /// `fp8_e4m3` blob.
-    fn get_public_fp8(&self, name: &str, e: &Entry) -> Result<TensorRef, ModelError> {
+    /// The scale tensor of a public FP8 weight `name` (`{name}_scale_inv` or `{name}_scale`).
+    fn public_fp8_scale(&self, name: &str) -> Result<(String, &Entry, WeightDType), ModelError> {
         let (inv, plain) = (format!("{name}_scale_inv"), format!("{name}_scale"));
         let (sname, se) = match (self.entries.get(&inv), self.entries.get(&plain)) {
             (Some(s), _) => (inv, s),
@@ -318,6 +318,13 @@ impl Checkpoint {
                 })
             }
         };
+        Ok((sname, se, sdtype))
+    }
+
+    /// A public FP8 weight (`F8_E4M3` + `{name}_scale_inv` or `{name}_scale`) as an
+    /// `fp8_e4m3` blob.
+    fn get_public_fp8(&self, name: &str, e: &Entry) -> Result<TensorRef, ModelError> {
+        let (sname, se, sdtype) = self.public_fp8_scale(name)?;
         let blob = fp8_blob(
             name,
             self.bytes(e),
@@ -334,6 +341,32 @@ impl Checkpoint {
             shape: e.shape.clone(),
             data: WeightData::from_vec(blob),
         })
+    }
+
+    /// `name` converted to `target`, written into the code and scale sections of its rows in a
+    /// larger blob (a fused weight, see `quant::convert::convert_into`). Stored tensors are
+    /// read in place (mmap); a public FP8 weight is written straight into the sections, so
+    /// host memory holds no second copy of any part.
+    pub(crate) fn get_into(
+        &self,
+        name: &str,
+        expected: &[usize],
+        target: WeightDType,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<(), ModelError> {
+        let e = self.entry(name, expected)?;
+        if target == WeightDType::F8E4M3 && e.dtype == Dtype::F8_E4M3 && e.shape == expected {
+            let (sname, se, sdtype) = self.public_fp8_scale(name)?;
+            let scale = ScaleRef {
+                name: &sname,
+                dtype: sdtype,
+                shape: &se.shape,
+                bytes: self.bytes(se),
+            };
+            return fp8_blob_into(name, self.bytes(e), &e.shape, &scale, codes, scales);
+        }
+        convert_into(name, &self.get(name, expected)?, target, codes, scales)
     }
 }
 

@@ -57,6 +57,7 @@ fn save_roundtrip(name: &str, policy: WeightPolicy) {
     let opts = |weights| LoadOptions {
         load_mtp: true,
         weights,
+        ..LoadOptions::default()
     };
     let t0 = std::time::Instant::now();
     let stored = QwenModel::load(&b, &out, &opts(WeightPolicy::as_stored())).expect("load saved");
@@ -390,6 +391,7 @@ fn plan_matches_loaded_synthetic_models() {
                     let opts = LoadOptions {
                         load_mtp: mtp,
                         weights: policy,
+                        ..LoadOptions::default()
                     };
                     let m = QwenModel::synthetic(&b, &c, stored, 7, &opts).expect("synthetic");
                     let p = plan_weight_bytes_stored(&c, &policy, mtp, stored);
@@ -431,6 +433,7 @@ fn synthetic_quantized_models_run_deterministically() {
         let opts = LoadOptions {
             load_mtp: false,
             weights: WeightPolicy::new(fmt),
+            ..LoadOptions::default()
         };
         let a = QwenModel::synthetic(&b, &c, WeightDType::Bf16, 3, &opts).expect("a");
         let a2 = QwenModel::synthetic(&b, &c, WeightDType::Bf16, 3, &opts).expect("a2");

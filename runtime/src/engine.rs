@@ -458,6 +458,7 @@ impl<B: ModelBackend> Engine<B> {
         let opts = LoadOptions {
             load_mtp,
             weights: cfg.weights,
+            fuse_projections: None,
         };
         let model = make_model(&backend, &opts)?;
         let report = model.load_report();

@@ -82,6 +82,31 @@ pub(crate) fn decode_rows(
     Ok(())
 }
 
+/// Scale bytes of one row of `k` values in `dtype` (0 for plain types).
+pub(crate) fn scale_bytes_of_row(dtype: WeightDType, k: usize) -> Result<usize, WeightFormatError> {
+    let one = quant_layout(dtype, &[1, k])?;
+    Ok(one.total - one.scales_offset)
+}
+
+/// The code section `[0, R·cb)` and the scale section `[scales_offset, total)` of a blob `out`
+/// of `layout` (the scale section is empty for plain types).
+pub(crate) fn sections<'b>(
+    dtype: WeightDType,
+    layout: &QuantLayout,
+    out: &'b mut [u8],
+) -> Result<(&'b mut [u8], &'b mut [u8]), WeightFormatError> {
+    if out.len() != layout.total {
+        return Err(WeightFormatError::Length {
+            dtype,
+            expected: layout.total,
+            got: out.len(),
+        });
+    }
+    let cb = code_bytes_per_row(dtype, layout.k);
+    let (codes, scales) = out.split_at_mut(layout.scales_offset);
+    Ok((&mut codes[..layout.rows * cb], scales))
+}
+
 /// Fills the blob `out` (layout `layout` of `dtype`) block by block in parallel: `fill(first_row,
 /// rows, block_blob)` must return the blob of rows `first_row..first_row + rows` in the same
 /// dtype (as `quantize` lays it out for dims `[rows, K]`), which is spliced into place.
@@ -91,15 +116,29 @@ pub(crate) fn fill_blocks(
     out: &mut [u8],
     fill: impl Fn(usize, usize) -> Result<Vec<u8>, WeightFormatError> + Sync,
 ) -> Result<(), WeightFormatError> {
-    let (r, k) = (layout.rows, layout.k);
+    let (codes, scales) = sections(dtype, layout, out)?;
+    fill_sections(dtype, layout.k, codes, scales, fill)
+}
+
+/// [`fill_blocks`] into the two sections of a tensor of `codes.len() / cb` rows of `k` values:
+/// `codes` (row-major codes or elements) and `scales` (row-major scales, empty for plain
+/// types). They may be row ranges of a larger blob (a fused weight: rows concatenated).
+pub(crate) fn fill_sections(
+    dtype: WeightDType,
+    k: usize,
+    codes: &mut [u8],
+    scales: &mut [u8],
+    fill: impl Fn(usize, usize) -> Result<Vec<u8>, WeightFormatError> + Sync,
+) -> Result<(), WeightFormatError> {
     let rb = (BLOCK_VALUES / k.max(1)).max(1);
     let cb = code_bytes_per_row(dtype, k);
-    let sb = scale_bytes_per_row(layout);
-    if out.len() != layout.total {
+    let sb = scale_bytes_of_row(dtype, k)?;
+    let r = codes.len() / cb.max(1);
+    if codes.len() != r * cb || scales.len() != r * sb {
         return Err(WeightFormatError::Length {
             dtype,
-            expected: layout.total,
-            got: out.len(),
+            expected: r * (cb + sb),
+            got: codes.len() + scales.len(),
         });
     }
     let splice = |i: usize, codes: &mut [u8], scales: &mut [u8]| {
@@ -118,8 +157,6 @@ pub(crate) fn fill_blocks(
         scales.copy_from_slice(&blob[bl.scales_offset..bl.scales_offset + n * sb]);
         Ok(())
     };
-    let (codes, scales) = out.split_at_mut(layout.scales_offset);
-    let codes = &mut codes[..r * cb];
     if sb == 0 || cb == 0 {
         codes
             .par_chunks_mut((rb * cb).max(1))
@@ -132,6 +169,50 @@ pub(crate) fn fill_blocks(
             .enumerate()
             .try_for_each(|(i, (c, s))| splice(i, c, s))
     }
+}
+
+/// Writes `t` converted to `target` into `codes` / `scales`, the two sections of its rows in a
+/// blob of `target` (see [`fill_sections`]): copied when `t` already has that dtype, else
+/// decoded and quantized block by block (the same bytes as [`convert`]). Errors name `name`.
+pub(crate) fn convert_into(
+    name: &str,
+    t: &TensorRef,
+    target: WeightDType,
+    codes: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), ModelError> {
+    let layout = quant_layout(target, &t.shape).map_err(fmt_err(name))?;
+    let k = layout.k;
+    let cb = code_bytes_per_row(target, k);
+    let sb = scale_bytes_of_row(target, k).map_err(fmt_err(name))?;
+    if codes.len() != layout.rows * cb || scales.len() != layout.rows * sb {
+        return Err(fmt_err(name)(WeightFormatError::Length {
+            dtype: target,
+            expected: layout.rows * (cb + sb),
+            got: codes.len() + scales.len(),
+        }));
+    }
+    let (src, dims, dt) = (t.data.bytes(), &t.shape, t.dtype);
+    if dt == target {
+        if src.len() != layout.total {
+            return Err(fmt_err(name)(WeightFormatError::Length {
+                dtype: target,
+                expected: layout.total,
+                got: src.len(),
+            }));
+        }
+        codes.copy_from_slice(&src[..codes.len()]);
+        let so = layout.scales_offset;
+        scales.copy_from_slice(&src[so..so + scales.len()]);
+        return Ok(());
+    }
+    let _s = tracing::debug_span!("quantize_tensor", name, from = %dt, to = %target).entered();
+    fill_sections(target, k, codes, scales, |first, n| {
+        let mut vals = vec![0f32; n * k];
+        decode_rows(dt, src, dims, first, &mut vals)?;
+        quantize(target, &vals, &[n, k])
+    })
+    .map_err(fmt_err(name))
 }
 
 /// `t` converted to `target` (a quantized format or a plain element type); `t` itself when it
@@ -214,5 +295,87 @@ mod tests {
         .map(|e| e.to_string())
         .unwrap_or_default();
         assert!(e.contains("x.weight"), "{e}");
+    }
+
+    /// The blob of two tensors' rows concatenated, built by writing each (converted, or copied
+    /// when already in the target format) into its row range of the code and scale sections,
+    /// equals the separate blobs section by section and decodes to their rows, for every
+    /// stored dtype (plain and quantized) and every target: row-wise formats with per-row
+    /// groups make fused loading exact without requantizing anything twice.
+    #[test]
+    fn rows_written_into_sections_equal_the_separate_blobs() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
+        let k = 256usize;
+        let rows = [96usize, 40];
+        let vals: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|r| (0..r * k).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+            .collect();
+        let all = [
+            WeightDType::F32,
+            WeightDType::Bf16,
+            WeightDType::F16,
+            WeightDType::Q8_0,
+            WeightDType::Q4G128,
+            WeightDType::Q4NlG128,
+            WeightDType::F8E4M3,
+        ];
+        for stored in all {
+            let parts: Vec<TensorRef> = vals
+                .iter()
+                .zip(rows)
+                .map(|(v, r)| convert("p", tensor(v, &[r, k]), stored).expect("stored"))
+                .collect();
+            for target in all {
+                let what = format!("{stored} -> {target}");
+                let sep: Vec<TensorRef> = parts
+                    .iter()
+                    .map(|t| convert("p", t.clone(), target).expect("separate"))
+                    .collect();
+                let fused_dims = [rows[0] + rows[1], k];
+                let layout = quant_layout(target, &fused_dims).expect("layout");
+                let mut blob = vec![0u8; layout.total];
+                let (cb, sb) = (
+                    code_bytes_per_row(target, k),
+                    scale_bytes_of_row(target, k).expect("sb"),
+                );
+                {
+                    let (mut codes, mut scales) = sections(target, &layout, &mut blob).expect("s");
+                    for (t, r) in parts.iter().zip(rows) {
+                        let (c, rc) = std::mem::take(&mut codes).split_at_mut(r * cb);
+                        let (sc, rs) = std::mem::take(&mut scales).split_at_mut(r * sb);
+                        convert_into("p", t, target, c, sc).expect("into");
+                        (codes, scales) = (rc, rs);
+                    }
+                }
+                let mut want_codes = Vec::new();
+                let mut want_scales = Vec::new();
+                for (t, r) in sep.iter().zip(rows) {
+                    let l = quant_layout(target, &[r, k]).expect("l");
+                    let b = t.data.bytes();
+                    want_codes.extend_from_slice(&b[..r * cb]);
+                    want_scales.extend_from_slice(&b[l.scales_offset..l.total]);
+                }
+                assert_eq!(&blob[..fused_dims[0] * cb], &want_codes[..], "{what}");
+                assert_eq!(&blob[layout.scales_offset..], &want_scales[..], "{what}");
+                assert!(blob[fused_dims[0] * cb..layout.scales_offset]
+                    .iter()
+                    .all(|b| *b == 0));
+                let deq = dequantize(target, &blob, &fused_dims).expect("deq");
+                let mut want = Vec::new();
+                for (t, r) in sep.iter().zip(rows) {
+                    want.extend(dequantize(target, t.data.bytes(), &[r, k]).expect("deq"));
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&deq), bits(&want), "{what}");
+                if target == stored {
+                    // Stored in the target format: copied, never requantized.
+                    assert_eq!(
+                        bits(&deq[..rows[0] * k]),
+                        bits(&dequantize(target, parts[0].data.bytes(), &[rows[0], k]).expect("d"))
+                    );
+                }
+            }
+        }
     }
 }

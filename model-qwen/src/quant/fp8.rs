@@ -30,6 +30,34 @@ pub(crate) fn fp8_blob(
     dims: &[usize],
     scale: &ScaleRef<'_>,
 ) -> Result<Vec<u8>, ModelError> {
+    let layout =
+        quant_layout(WeightDType::F8E4M3, dims).map_err(|source| ModelError::WeightFormat {
+            name: name.to_string(),
+            source,
+        })?;
+    let mut out = vec![0u8; layout.total];
+    let (c, s) = out.split_at_mut(layout.scales_offset);
+    fp8_blob_into(
+        name,
+        codes,
+        dims,
+        scale,
+        &mut c[..layout.rows * layout.k],
+        s,
+    )?;
+    Ok(out)
+}
+
+/// [`fp8_blob`] written into the code section `out_codes` (`R·K` bytes) and the scale section
+/// `out_scales` (`R·ceil(K/128)` f32) of the weight's rows (a fused weight's row range).
+pub(crate) fn fp8_blob_into(
+    name: &str,
+    codes: &[u8],
+    dims: &[usize],
+    scale: &ScaleRef<'_>,
+    out_codes: &mut [u8],
+    out_scales: &mut [u8],
+) -> Result<(), ModelError> {
     let bad = |detail: String| ModelError::ScaleTensor {
         name: name.to_string(),
         scale: scale.name.to_string(),
@@ -41,7 +69,8 @@ pub(crate) fn fp8_blob(
             source,
         })?;
     let (rows, k) = (layout.rows, layout.k);
-    if codes.len() != rows * k {
+    let g = k.div_ceil(128);
+    if codes.len() != rows * k || out_codes.len() != rows * k || out_scales.len() != rows * g * 4 {
         return Err(ModelError::WeightFormat {
             name: name.to_string(),
             source: kvstream_memory_contracts::weight_format::WeightFormatError::Length {
@@ -72,7 +101,6 @@ pub(crate) fn fp8_blob(
             _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
         }
     };
-    let g = k.div_ceil(128);
     let block = [rows.div_ceil(128), g];
     // scale index for (row, group)
     let index: Box<dyn Fn(usize, usize) -> usize> = if scale.shape == block {
@@ -87,19 +115,18 @@ pub(crate) fn fp8_blob(
             scale.shape
         )));
     };
-    let mut out = vec![0u8; layout.total];
-    out[..rows * k].copy_from_slice(codes);
+    out_codes.copy_from_slice(codes);
     for r in 0..rows {
         for gi in 0..g {
             let s = val(index(r, gi));
             if !s.is_finite() {
                 return Err(bad(format!("non-finite scale {s} at row {r}, group {gi}")));
             }
-            let at = layout.scales_offset + 4 * (r * g + gi);
-            out[at..at + 4].copy_from_slice(&s.to_le_bytes());
+            let at = 4 * (r * g + gi);
+            out_scales[at..at + 4].copy_from_slice(&s.to_le_bytes());
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Checks `quantization_config` of `dir/config.json` (top level or `text_config`): absent,

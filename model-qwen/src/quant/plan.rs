@@ -1,5 +1,8 @@
 //! The list of tensors a model loads (name, shape, role) and [`plan_weight_bytes`]: the device
 //! and host bytes of a policy, computed from the config alone.
+//!
+//! Fused projections (`crate::fused`) are counted as their parts: the loader fuses only when the
+//! fused blob has exactly the parts' bytes, so the plan is the same with fusion on or off.
 
 use super::policy::WeightPolicy;
 use super::role::{decide, Role};

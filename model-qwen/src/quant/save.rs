@@ -332,6 +332,7 @@ mod tests {
         let opts = LoadOptions {
             load_mtp: true,
             weights: policy,
+            ..LoadOptions::default()
         };
         let direct = QwenModel::load(&b, &src, &opts).expect("direct");
         let saved = QwenModel::load(

@@ -2,7 +2,7 @@
 //! quantized policy): no f32 copy of the tensor is ever made, so a synthetic 27B model in
 //! q4_g128 costs the host only its 4.1-bit blobs.
 
-use super::convert::{code_bytes_per_row, fill_blocks, scale_bytes_per_row};
+use super::convert::{code_bytes_per_row, fill_sections, scale_bytes_per_row, sections};
 use half::f16;
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::weight_format::{f32_to_e4m3, quant_layout, WeightFormatError};
@@ -24,13 +24,34 @@ pub(crate) fn random_quantized(
         });
     }
     let layout = quant_layout(dtype, dims)?;
-    let k = layout.k;
     let mut out = vec![0u8; layout.total];
+    let (codes, scales) = sections(dtype, &layout, &mut out)?;
+    random_quantized_into(dtype, layout.k, seed, amax, codes, scales)?;
+    Ok(out)
+}
+
+/// [`random_quantized`] written into the code and scale sections of a tensor's rows (see
+/// `convert::fill_sections`): the same bytes as the sections of the whole blob, so a fused
+/// weight made of such row ranges equals the separate tensors row for row.
+pub(crate) fn random_quantized_into(
+    dtype: WeightDType,
+    k: usize,
+    seed: u64,
+    amax: f32,
+    codes: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), WeightFormatError> {
+    if !dtype.is_quantized() {
+        return Err(WeightFormatError::Unsupported {
+            dtype,
+            operation: "random quantized weights",
+        });
+    }
     // FP8 codes: 256 evenly spaced values in (-448, 448), encoded once.
     let fp8: Vec<u8> = (0..256)
         .map(|i| f32_to_e4m3(((i as f32 + 0.5) / 128.0 - 1.0) * 448.0))
         .collect();
-    fill_blocks(dtype, &layout, &mut out, |first, n| {
+    fill_sections(dtype, k, codes, scales, |first, n| {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(
             seed ^ (first as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
@@ -68,8 +89,7 @@ pub(crate) fn random_quantized(
             }
         }
         Ok(blob)
-    })?;
-    Ok(out)
+    })
 }
 
 #[cfg(test)]

@@ -73,6 +73,7 @@ pub fn load(b: &CpuBackend, name: &str, weights: WeightPolicy) -> QwenModel<CpuB
         &LoadOptions {
             load_mtp: true,
             weights,
+            ..LoadOptions::default()
         },
     )
     .expect("load")
