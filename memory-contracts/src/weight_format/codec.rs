@@ -111,6 +111,11 @@ fn quantize_q8_0_group(x: &[f32], codes: &mut [u8]) -> f16 {
 
 /// Candidate steps `i` of the q4_g128 scale search (`d0 · (1 + 0.03·i)`: 0.64·d0 ..= 1.18·d0;
 /// Gaussian-like groups prefer clipping the largest value, hence the longer downward range).
+/// q4_g128's code → level map: code u is the integer u − 8 (exact in f32).
+const Q4_UNIFORM_LEVELS: [f32; 16] = [
+    -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+];
+
 const CANDIDATES: std::ops::RangeInclusive<i32> = -12..=6;
 /// Least-squares refinement steps after the candidate search.
 const REFINE_STEPS: usize = 2;
@@ -391,7 +396,13 @@ fn decode_row_unchecked(
                 }
             }
         }
-        WeightDType::Q4G128 => {
+        WeightDType::Q4G128 | WeightDType::Q4NlG128 => {
+            // The two 4-bit formats share their bytes; only the code → level map differs.
+            let levels = if dtype == WeightDType::Q4NlG128 {
+                &Q4_NL_LEVELS
+            } else {
+                &Q4_UNIFORM_LEVELS
+            };
             let codes = &bytes[row * k / 2..(row + 1) * k / 2];
             let scales = l.scales_offset + 2 * row * (k / G128);
             for (g, (o, c)) in out
@@ -401,23 +412,8 @@ fn decode_row_unchecked(
             {
                 let d = f16_at(bytes, scales + 2 * g);
                 for (pair, &b) in o.chunks_exact_mut(2).zip(c) {
-                    pair[0] = d * f32::from((b & 0xF) as i8 - 8);
-                    pair[1] = d * f32::from((b >> 4) as i8 - 8);
-                }
-            }
-        }
-        WeightDType::Q4NlG128 => {
-            let codes = &bytes[row * k / 2..(row + 1) * k / 2];
-            let scales = l.scales_offset + 2 * row * (k / G128);
-            for (g, (o, c)) in out
-                .chunks_exact_mut(G128)
-                .zip(codes.chunks_exact(G128 / 2))
-                .enumerate()
-            {
-                let d = f16_at(bytes, scales + 2 * g);
-                for (pair, &b) in o.chunks_exact_mut(2).zip(c) {
-                    pair[0] = d * Q4_NL_LEVELS[usize::from(b & 0xF)];
-                    pair[1] = d * Q4_NL_LEVELS[usize::from(b >> 4)];
+                    pair[0] = d * levels[usize::from(b & 0xF)];
+                    pair[1] = d * levels[usize::from(b >> 4)];
                 }
             }
         }
