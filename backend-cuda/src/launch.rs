@@ -119,6 +119,7 @@ impl CudaBackend {
         let alloc = self.alloc_bytes(n * 4, "tensor")?;
         Ok(CudaTensor {
             alloc,
+            offset: 0,
             dims: dims.to_vec(),
         })
     }

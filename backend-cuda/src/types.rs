@@ -182,17 +182,49 @@ impl DeviceBuffer for CudaBuffer {
     }
 }
 
-/// An f32 activation tensor in its own device allocation, row-major.
+/// An f32 activation tensor, row-major: its own device allocation, or (`offset` > 0) a
+/// contiguous view of another tensor's allocation (a one-row column split or a row range, see
+/// `ops::tensor`). Tensors are values that ops never write in place, so a view can share the
+/// bytes; only state tensors (`copy_into`'s destination, conv/SSM state) are written, and those
+/// are never views.
 #[derive(Debug)]
 pub struct CudaTensor {
     pub(crate) alloc: Arc<DeviceAlloc>,
+    /// Byte offset of element 0 inside `alloc` (a multiple of [`CudaTensor::VIEW_ALIGN`]).
+    pub(crate) offset: usize,
     pub(crate) dims: Vec<usize>,
 }
 
 impl CudaTensor {
+    /// Alignment of a view's first byte: every kernel's vector loads (at most 16 bytes) stay
+    /// aligned as they are on a fresh allocation.
+    pub const VIEW_ALIGN: usize = 16;
+
     /// Device address of element 0.
     pub fn ptr(&self) -> u64 {
-        self.alloc.ptr()
+        self.alloc.ptr() + self.offset as u64
+    }
+
+    /// True when this tensor shares its allocation at a non-zero offset (a view).
+    pub fn is_view(&self) -> bool {
+        self.offset != 0
+    }
+
+    /// A view of `numel(dims)` elements starting `elem` elements after this tensor's element 0,
+    /// sharing the allocation; `None` when the start is not [`CudaTensor::VIEW_ALIGN`]-aligned or
+    /// the range leaves the tensor.
+    pub(crate) fn view(&self, elem: usize, dims: &[usize]) -> Option<CudaTensor> {
+        let n: usize = dims.iter().product();
+        let own: usize = self.dims.iter().product();
+        let byte = elem.checked_mul(4)?;
+        if elem.checked_add(n)? > own || (self.offset + byte) % Self::VIEW_ALIGN != 0 {
+            return None;
+        }
+        Some(CudaTensor {
+            alloc: Arc::clone(&self.alloc),
+            offset: self.offset + byte,
+            dims: dims.to_vec(),
+        })
     }
 }
 

@@ -70,6 +70,7 @@ impl TensorOps for CudaBackend {
         let alloc = self.upload(data, "tensor")?;
         Ok(CudaTensor {
             alloc,
+            offset: 0,
             dims: dims.to_vec(),
         })
     }
@@ -107,6 +108,17 @@ impl TensorOps for CudaBackend {
 
     fn copy_into(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<(), OpError> {
         same_len("copy_into", dst, src)?;
+        if Arc::strong_count(&dst.alloc) > 1 {
+            // A view (or a tensor a view was taken of): writing would change the other one too.
+            return Err(OpError::shape(
+                "copy_into",
+                format!(
+                    "the destination {:?} shares its device allocation with a view; copy into a \
+                     tensor of its own (copy_tensor)",
+                    dst.dims
+                ),
+            ));
+        }
         self.dtod(dst.ptr(), src.ptr(), src.numel() * 4, "copy_into")
     }
 
@@ -114,6 +126,7 @@ impl TensorOps for CudaBackend {
         check_dims("reshape", t.numel(), dims)?;
         Ok(CudaTensor {
             alloc: Arc::clone(&t.alloc),
+            offset: t.offset,
             dims: dims.to_vec(),
         })
     }
@@ -156,8 +169,21 @@ impl TensorOps for CudaBackend {
         let mut outs = Vec::with_capacity(sizes.len());
         let mut col0 = 0;
         for &s in sizes {
-            let out = self.tensor_uninit(&[t, groups * s])?;
-            self.copy_cols(x, width, col0, &out, s, 0, t * groups, s)?;
+            // One row and one group (a decode step's fused projection): each part is a
+            // contiguous range of the row, so an aligned part is a view instead of a copy.
+            let view = if t * groups == 1 {
+                x.view(col0, &[1, s])
+            } else {
+                None
+            };
+            let out = match view {
+                Some(v) => v,
+                None => {
+                    let out = self.tensor_uninit(&[t, groups * s])?;
+                    self.copy_cols(x, width, col0, &out, s, 0, t * groups, s)?;
+                    out
+                }
+            };
             col0 += s;
             outs.push(out);
         }
@@ -176,6 +202,10 @@ impl TensorOps for CudaBackend {
                     x.dims
                 ),
             ));
+        }
+        // Rows are contiguous: an aligned range is a view of x.
+        if let Some(v) = x.view(first * c, &[n, c]) {
+            return Ok(v);
         }
         let out = self.tensor_uninit(&[n, c])?;
         self.dtod(
