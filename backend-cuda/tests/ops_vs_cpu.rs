@@ -638,7 +638,35 @@ fn embedding_norms_rope_activations_match_cpu() {
                 &p.gpu.rms_norm(&xg, &wg, 1e-6, off).expect("gpu"),
             );
             close(&format!("rms_norm {dt} offset {off}"), &g, &c, 1e-5, 1e-5);
+            // The fused residual add + norm: both outputs bit-identical to the two launches on
+            // the GPU, and close to the CPU's.
+            let (hg, yg) = p.gpu.add_rms_norm(&xg, &zg, &wg, 1e-6, off).expect("gpu");
+            let sum = p.gpu.add(&xg, &zg).expect("gpu");
+            let two = p.gpu.rms_norm(&sum, &wg, 1e-6, off).expect("gpu");
+            let (hc, yc) = p.cpu.add_rms_norm(&xc, &zc, &wc, 1e-6, off).expect("cpu");
+            let (h1, h0) = p.get(&hc, &hg);
+            assert_eq!(
+                h1,
+                p.gpu.tensor_to_f32(&sum).expect("dl"),
+                "add_rms_norm h {dt}"
+            );
+            assert_eq!(h0, h1, "add_rms_norm h {dt} vs cpu");
+            let (y1, y0) = p.get(&yc, &yg);
+            assert_eq!(
+                y1,
+                p.gpu.tensor_to_f32(&two).expect("dl"),
+                "add_rms_norm y {dt}"
+            );
+            close(
+                &format!("add_rms_norm {dt} offset {off}"),
+                &y1,
+                &y0,
+                1e-5,
+                1e-5,
+            );
         }
+        let short = p.gpu.tensor_from_f32(&x[..h], &[1, h]).expect("gpu");
+        assert!(p.gpu.add_rms_norm(&xg, &short, &wg, 1e-6, 1.0).is_err());
         let (g, c) = p.get(
             &p.cpu.gated_rms_norm(&xc, &zc, &wc, 1e-6).expect("cpu"),
             &p.gpu.gated_rms_norm(&xg, &zg, &wg, 1e-6).expect("gpu"),
@@ -683,6 +711,37 @@ fn embedding_norms_rope_activations_match_cpu() {
     );
     assert_eq!(g, cpu, "rows is exact");
     assert!(p.gpu.rows(&ag, 5, 3).is_err());
+    // One-row splits and row ranges are views when aligned (a decode step's fused projections):
+    // equal to the CPU's copies, consumable by other ops, and never a copy_into destination.
+    let one = rnd(&mut rng, 100 + 13 + 19, 1.0);
+    let (oc, og) = p.t(&one, &[1, 132]);
+    let sc = p.cpu.split_cols(&oc, 1, &[100, 13, 19]).expect("cpu");
+    let sg = p.gpu.split_cols(&og, 1, &[100, 13, 19]).expect("gpu");
+    assert!(
+        !sg[0].is_view() && sg[1].is_view(),
+        "aligned parts are views"
+    );
+    assert!(
+        !sg[2].is_view(),
+        "a part at a 16-byte-unaligned offset is copied"
+    );
+    for (c1, g1) in sc.iter().zip(&sg) {
+        let (g, cpu) = p.get(c1, g1);
+        assert_eq!(g, cpu, "one-row split_cols is exact");
+    }
+    let (g, cpu) = p.get(
+        &p.cpu.add(&sc[1], &sc[1]).expect("cpu"),
+        &p.gpu.add(&sg[1], &sg[1]).expect("gpu"),
+    );
+    assert_eq!(g, cpu, "a view feeds a kernel");
+    let rv = p.gpu.rows(&ag, 2, 3).expect("gpu");
+    assert!(rv.is_view());
+    let mut dst = p.gpu.rows(&ag, 4, 1).expect("gpu");
+    let src = p.gpu.rows(&ag, 0, 1).expect("gpu");
+    assert!(
+        p.gpu.copy_into(&mut dst, &src).is_err(),
+        "a view is not written in place"
+    );
     // argmax, with a planted tie (lowest index wins).
     let mut logits = rnd(&mut rng, 4 * 1000, 3.0);
     logits[1000 + 10] = 9.0;

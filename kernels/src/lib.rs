@@ -55,7 +55,7 @@ pub const MODULES: &[KernelModule] = &[
     KernelModule {
         module: "norm",
         source: include_str!("cu/norm.cu"),
-        kernels: &["rms_norm_f32", "gated_rms_norm_f32"],
+        kernels: &["rms_norm_f32", "add_rms_norm_f32", "gated_rms_norm_f32"],
     },
     KernelModule {
         module: "rope",

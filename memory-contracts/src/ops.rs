@@ -112,6 +112,25 @@ pub trait NormOps: Backend {
         eps: f32,
         unit_offset: f32,
     ) -> Result<Self::Tensor, OpError>;
+    /// The residual add and the RMSNorm that follows it, in one pass: `h = a + b` (same element
+    /// count, `a`'s dims) and `y = rms_norm(h, w, eps, unit_offset)`; returns `(h, y)`, each
+    /// bit-identical to [`TensorOps::add`] then [`NormOps::rms_norm`] on the same backend. The
+    /// default does exactly that; a backend may fuse the two (one launch instead of two).
+    fn add_rms_norm(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        unit_offset: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor), OpError>
+    where
+        Self: TensorOps,
+    {
+        let h = self.add(a, b)?;
+        let y = self.rms_norm(&h, w, eps, unit_offset)?;
+        Ok((h, y))
+    }
     /// Gated RMSNorm of the GDN output: per row of `d = w.len()`,
     /// `y = x · rsqrt(mean(x²) + eps) · w · silu(z)`.
     fn gated_rms_norm(

@@ -60,6 +60,36 @@ impl NormOps for CudaBackend {
         Ok(out)
     }
 
+    fn add_rms_norm(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        unit_offset: f32,
+    ) -> Result<(CudaTensor, CudaTensor), OpError> {
+        super::same_len("add_rms_norm", a, b)?;
+        let (rows, d) = norm_rows("add_rms_norm", a, w)?;
+        let h = self.tensor_uninit(&a.dims)?;
+        let y = self.tensor_uninit(&a.dims)?;
+        if rows == 0 {
+            return Ok((h, y));
+        }
+        let f = self.func("add_rms_norm_f32")?;
+        let (ap, bp, wp, dt, d64, hp, yp) = (
+            a.ptr(),
+            b.ptr(),
+            w.ptr(),
+            elementwise_dtype_code("add_rms_norm", w.dtype)?,
+            d as u64,
+            h.ptr(),
+            y.ptr(),
+        );
+        let mut args = args![&ap, &bp, &wp, &dt, &d64, &eps, &unit_offset, &hp, &yp];
+        self.launch("add_rms_norm", f, row_cfg(rows), &mut args)?;
+        Ok((h, y))
+    }
+
     fn gated_rms_norm(
         &self,
         x: &CudaTensor,
