@@ -17,7 +17,7 @@
 use crate::error::ModelError;
 use crate::layers::Loader;
 use crate::quant::convert::{code_bytes_per_row, scale_bytes_of_row};
-use crate::quant::role::{decide, Decision};
+use crate::quant::role::{decide, Decision, Role};
 use kvstream_memory_contracts::backend::{DeviceWeight, WeightDType};
 use kvstream_memory_contracts::ops::{ModelBackend, WeightData};
 use kvstream_memory_contracts::weight_format::quant_layout;
@@ -110,17 +110,26 @@ impl<B: ModelBackend> Loader<'_, B> {
     /// format for every part, see [`fused_dims`]), else loaded one by one. The report records
     /// each part as if loaded separately (same counts, bytes and fallbacks).
     pub fn linears(&mut self, parts: &[(String, Vec<usize>)]) -> Result<Proj<B>, ModelError> {
+        self.linears_as(parts, self.linear_role)
+    }
+
+    /// [`Loader::linears`] with the formats of `role` (e.g. [`Role::Kept`] for the GDN
+    /// `in_proj_b`/`in_proj_a` pair, which stays as stored).
+    pub fn linears_as(
+        &mut self,
+        parts: &[(String, Vec<usize>)],
+        role: Role,
+    ) -> Result<Proj<B>, ModelError> {
         let separate = |l: &mut Self| -> Result<Proj<B>, ModelError> {
             parts
                 .iter()
-                .map(|(n, s)| l.linear(n, s))
+                .map(|(n, s)| l.load(n, s, role))
                 .collect::<Result<Vec<_>, _>>()
                 .map(Proj::Separate)
         };
         if !self.fuse || parts.len() < 2 {
             return separate(self);
         }
-        let role = self.linear_role;
         let mut decisions: Vec<Decision> = Vec::with_capacity(parts.len());
         for (n, s) in parts {
             let stored = self.ck.stored_dtype(n, s)?;

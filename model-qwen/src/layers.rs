@@ -171,8 +171,8 @@ impl<B: ModelBackend> Attention<B> {
 pub(crate) struct Gdn<B: ModelBackend> {
     /// `[in_proj_qkv; in_proj_z]` (fused: `[conv_dim + vd, h]`).
     in_proj_qkvz: Proj<B>,
-    in_proj_b: B::Weight,
-    in_proj_a: B::Weight,
+    /// `[in_proj_b; in_proj_a]` (kept as stored; fused: `[2 hv, h]`).
+    in_proj_ba: Proj<B>,
     conv1d: B::Weight,
     dt_bias: B::Weight,
     a_log: B::Weight,
@@ -205,8 +205,13 @@ impl<B: ModelBackend> Gdn<B> {
                 ),
                 (format!("{p}in_proj_z.weight"), vec![vd, h]),
             ])?,
-            in_proj_b: l.get(&format!("{p}in_proj_b.weight"), &[hv, h])?,
-            in_proj_a: l.get(&format!("{p}in_proj_a.weight"), &[hv, h])?,
+            in_proj_ba: l.linears_as(
+                &[
+                    (format!("{p}in_proj_b.weight"), vec![hv, h]),
+                    (format!("{p}in_proj_a.weight"), vec![hv, h]),
+                ],
+                Role::Kept,
+            )?,
             conv1d: l.get(
                 &format!("{p}conv1d.weight"),
                 &[c.linear_conv_dim(), 1, c.linear_conv_kernel_dim],
@@ -234,8 +239,7 @@ impl<B: ModelBackend> Gdn<B> {
             c.linear_value_head_dim,
         );
         let [m, z] = self.in_proj_qkvz.forward_n(b, u)?;
-        let bb = b.matmul(u, &self.in_proj_b)?;
-        let a = b.matmul(u, &self.in_proj_a)?;
+        let [bb, a] = self.in_proj_ba.forward_n(b, u)?;
         let step = |m: &B::Tensor,
                     a: &B::Tensor,
                     bb: &B::Tensor,
@@ -352,20 +356,21 @@ impl<B: ModelBackend> Layer<B> {
         })
     }
 
-    /// `h = x + Mixer(norm(x)); x = h + MLP(norm(h))`.
+    /// `h = x + Mixer(norm(x)); x' = h + MLP(norm(h))`, returning x' as its two terms (the next
+    /// norm adds them: [`Residual`]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<K: AttentionKv<B>>(
         &self,
         b: &B,
         c: &QwenConfig,
-        x: &B::Tensor,
+        x: Residual<B>,
         positions: &[Position3],
         phase: AttentionPhase,
         gdn_states: &mut [GdnState<B>],
         kv: &mut K,
         run: Option<GdnRun<'_, B>>,
-    ) -> Result<B::Tensor, ModelError> {
-        let u = b.rms_norm(x, &self.input_norm, c.rms_norm_eps, 1.0)?;
+    ) -> Result<Residual<B>, ModelError> {
+        let (x, u) = x.into_norm(b, &self.input_norm, c.rms_norm_eps)?;
         let m = match &self.mixer {
             Mixer::Attn(a, idx) => {
                 let _s = tracing::debug_span!("attention_layer", layer = idx).entered();
@@ -380,10 +385,35 @@ impl<B: ModelBackend> Layer<B> {
                 g.forward(b, c, &u, positions.len(), state, run)?
             }
         };
-        let h = b.add(x, &m)?;
+        let (h, u) = b.add_rms_norm(&x, &m, &self.post_norm, c.rms_norm_eps, 1.0)?;
         let _s = tracing::debug_span!("mlp").entered();
-        let u = b.rms_norm(&h, &self.post_norm, c.rms_norm_eps, 1.0)?;
         let f = self.mlp.forward(b, &u)?;
-        Ok(b.add(&h, &f)?)
+        Ok(Residual::Terms(h, f))
+    }
+}
+
+/// The residual stream between layers: the tensor itself, or the two terms whose sum it is (a
+/// layer's `h` and its MLP output), so that the sum is formed by the zero-centred RMSNorm that
+/// reads it ([`NormOps::add_rms_norm`]: one launch instead of two on a GPU).
+pub(crate) enum Residual<B: ModelBackend> {
+    Sum(B::Tensor),
+    Terms(B::Tensor, B::Tensor),
+}
+
+impl<B: ModelBackend> Residual<B> {
+    /// `(x, rms_norm(x, w))` with unit offset 1 (Qwen's zero-centred norm), x the stream's value.
+    pub fn into_norm(
+        self,
+        b: &B,
+        w: &B::Weight,
+        eps: f32,
+    ) -> Result<(B::Tensor, B::Tensor), ModelError> {
+        Ok(match self {
+            Residual::Sum(x) => {
+                let u = b.rms_norm(&x, w, eps, 1.0)?;
+                (x, u)
+            }
+            Residual::Terms(h, f) => b.add_rms_norm(&h, &f, w, eps, 1.0)?,
+        })
     }
 }

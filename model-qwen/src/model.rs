@@ -4,7 +4,7 @@ use crate::attention_kv::{AttentionKv, AttentionPhase};
 use crate::config::{LayerType, QwenConfig};
 use crate::embedding::HostEmbedding;
 use crate::error::ModelError;
-use crate::layers::{GdnRun, Layer, Loader, Mixer};
+use crate::layers::{GdnRun, Layer, Loader, Mixer, Residual};
 use crate::quant::role::Role;
 use crate::quant::{LoadReport, WeightPolicy};
 use crate::state::{GdnState, RecurrentState};
@@ -352,7 +352,7 @@ impl<B: ModelBackend> QwenModel<B> {
         } else {
             DeltaMode::Chunked { chunk: GDN_CHUNK }
         };
-        let mut x = self.embed_tokens(b, tokens)?;
+        let mut x = Residual::Sum(self.embed_tokens(b, tokens)?);
         for layer in &self.layers {
             let run = match (&layer.mixer, cps.as_mut()) {
                 (Mixer::Gdn(_, gdn_index), Some(cps)) => Some(GdnRun::Checkpointed {
@@ -365,7 +365,7 @@ impl<B: ModelBackend> QwenModel<B> {
             x = layer.forward(
                 b,
                 &self.config,
-                &x,
+                x,
                 positions,
                 phase,
                 &mut state.layers,
@@ -376,7 +376,7 @@ impl<B: ModelBackend> QwenModel<B> {
         if let (Some(out), Some(cps)) = (checkpoints, cps) {
             out.extend(cps);
         }
-        let hidden = b.rms_norm(&x, &self.norm, self.config.rms_norm_eps, 1.0)?;
+        let (_, hidden) = x.into_norm(b, &self.norm, self.config.rms_norm_eps)?;
         let logits = self.logits(b, &hidden, logits)?;
         Ok(ForwardOutput { hidden, logits })
     }
@@ -426,14 +426,14 @@ impl<B: ModelBackend> QwenModel<B> {
         let x = mtp.layer.forward(
             b,
             &self.config,
-            &x,
+            Residual::Sum(x),
             positions,
             AttentionPhase::Mtp,
             &mut [],
             kv,
             None,
         )?;
-        let out = b.rms_norm(&x, &mtp.norm, eps, 1.0)?;
+        let (_, out) = x.into_norm(b, &mtp.norm, eps)?;
         let logits = self.logits(b, &out, logits)?;
         Ok(ForwardOutput {
             hidden: out,

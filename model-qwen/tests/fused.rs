@@ -101,11 +101,12 @@ fn check(b: &CpuBackend, dir: &Path, ids: &[u32], policy: WeightPolicy) {
     let sep = load_dir(b, dir, policy, false);
     let fused = load_dir(b, dir, policy, true);
     assert_eq!(sep.fused_projections(), 0, "{what}");
-    // One fused mixer projection and one MLP projection per layer, plus the MTP layer's two.
+    // One fused mixer projection and one MLP projection per layer, the GDN layers'
+    // [in_proj_b; in_proj_a], plus the MTP layer's two.
     let c = fused.config();
     assert_eq!(
         fused.fused_projections(),
-        2 * c.num_hidden_layers + 2,
+        2 * c.num_hidden_layers + c.n_linear_layers() + 2,
         "{what}"
     );
     assert_eq!(fused.load_report(), sep.load_report(), "{what}");
@@ -200,7 +201,7 @@ fn synthetic_models_fuse_with_the_same_bytes_and_logits() {
         let (sep, fused) = (m(false), m(true));
         assert_eq!(
             fused.fused_projections(),
-            2 * c.num_hidden_layers + 2,
+            2 * c.num_hidden_layers + c.n_linear_layers() + 2,
             "{fmt}"
         );
         assert_eq!(fused.load_report(), sep.load_report(), "{fmt}");

@@ -5,7 +5,7 @@
 use super::{ForwardOutput, LogitRows, QwenModel, GDN_CHUNK};
 use crate::attention_kv::{AttentionKv, AttentionPhase};
 use crate::error::ModelError;
-use crate::layers::GdnRun;
+use crate::layers::{GdnRun, Residual};
 use crate::state::RecurrentState;
 use kvstream_memory_contracts::ops::{DeltaMode, ModelBackend, Position3};
 
@@ -46,7 +46,7 @@ impl<B: ModelBackend> QwenModel<B> {
                 self.config.n_linear_layers()
             )));
         }
-        let mut x = self.embed_with_images(b, tokens, &image)?;
+        let mut x = Residual::Sum(self.embed_with_images(b, tokens, &image)?);
         let mode = if t == 1 {
             DeltaMode::Recurrent
         } else {
@@ -56,7 +56,7 @@ impl<B: ModelBackend> QwenModel<B> {
             x = layer.forward(
                 b,
                 &self.config,
-                &x,
+                x,
                 positions,
                 phase,
                 &mut state.layers,
@@ -64,7 +64,7 @@ impl<B: ModelBackend> QwenModel<B> {
                 Some(GdnRun::Whole(mode)),
             )?;
         }
-        let hidden = b.rms_norm(&x, &self.norm, self.config.rms_norm_eps, 1.0)?;
+        let (_, hidden) = x.into_norm(b, &self.norm, self.config.rms_norm_eps)?;
         let logits = self.logits(b, &hidden, logits)?;
         Ok(ForwardOutput { hidden, logits })
     }
