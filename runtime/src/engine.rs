@@ -216,6 +216,10 @@ pub struct Engine<B: ModelBackend> {
     pub(crate) prefill_progress: Option<PrefillProgress>,
     /// Images: vision tower, M-RoPE position map of the session, loan stats.
     pub(crate) mm: crate::multimodal::MultimodalState<B>,
+    /// Host seconds the last step spent issuing its forward pass (the model's calls, before the
+    /// KV step is finished and the logits are read back); on an asynchronous device the rest of
+    /// the step is waiting for the device.
+    pub(crate) last_forward_host_s: f64,
 }
 
 /// A prefill progress callback: `(tokens done, tokens total)` of the current prefill.
@@ -509,6 +513,7 @@ impl<B: ModelBackend> Engine<B> {
             prompt_cp: None,
             prefill_progress: None,
             mm: Default::default(),
+            last_forward_host_s: 0.0,
         })
     }
 
@@ -618,6 +623,13 @@ impl<B: ModelBackend> Engine<B> {
             .ok_or_else(|| RuntimeError::Protocol("decode step returned no logits".into()))
     }
 
+    /// Host seconds the last step spent issuing its forward pass (see the field); with the
+    /// step's wall time this tells a launch-bound step (issue time ≈ step time) from a
+    /// device-bound one.
+    pub fn last_forward_host_seconds(&self) -> f64 {
+        self.last_forward_host_s
+    }
+
     fn codec_or_err(&self) -> Result<&TextCodec> {
         self.codec.as_ref().ok_or_else(|| RuntimeError::File {
             what: "tokenizer",
@@ -690,6 +702,7 @@ impl<B: ModelBackend> Engine<B> {
             }
         };
         self.kv.begin_step(&self.backend, phase, tokens.len())?;
+        let issued = std::time::Instant::now();
         let out = self.model.forward(
             &self.backend,
             tokens,
@@ -700,6 +713,7 @@ impl<B: ModelBackend> Engine<B> {
             rows,
             checkpoints,
         );
+        self.last_forward_host_s = issued.elapsed().as_secs_f64();
         let out = match out {
             Ok(o) => o,
             Err(e) => {

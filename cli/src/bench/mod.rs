@@ -340,11 +340,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "  arena {}M context {} n={}: measured {} ms, roofline {} ms, measured/roofline {}, peak device {} MiB (weights + arena){}",
+            "  arena {}M context {} n={}: measured {} ms{}, roofline {} ms, measured/roofline {}, peak device {} MiB (weights + arena){}",
             r.arena_bytes >> 20,
             r.context,
             r.spec_draft_n_max,
             fmt_opt(r.step_ms, 3),
+            r.step_issue_ms
+                .map(|m| format!(" (host issue {m:.3} ms)"))
+                .unwrap_or_default(),
             fmt_opt(r.roofline_step_ms, 3),
             fmt_opt(r.measured_over_roofline, 2),
             r.peak_device_bytes >> 20,
@@ -487,6 +490,13 @@ mod tests {
         assert!(plain
             .iter()
             .all(|r| r.decode_tok_per_s.is_some_and(|t| t > 0.0)));
+        // The host issue time is part of the step (the CPU backend computes while issuing).
+        assert!(
+            plain.iter().all(|r| r
+                .step_issue_ms
+                .is_some_and(|m| m > 0.0 && m <= r.step_ms.unwrap_or(0.0) * 1.01)),
+            "{plain:?}"
+        );
         let mtp = rows
             .iter()
             .find(|r| r.spec_draft_n_max == 1)

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::Path;
 
 /// CSV header (one column per scalar; lists are `;`-separated inside a cell).
-pub const CSV_HEADER: &str = "backend,model,kv_types,weights,arena_bytes,max_pool_pages,context,history_tokens,fill,spec_draft_n_max,status,note,prefill_tok_per_s,decode_tok_per_s,step_ms,step_ms_w1,step_ms_w2,step_ms_w3,step_ms_w4,h2d_bytes_per_step,h2d_gbps,resident_pages,ring_slots,pool_pages,weight_bytes,peak_arena_bytes,peak_device_bytes,acceptance,accepted_per_step,projections,h2d_ceiling_gbps,hbm_ceiling_gbps,roofline_step_ms,measured_over_roofline,peak_device_measured_bytes";
+pub const CSV_HEADER: &str = "backend,model,kv_types,weights,arena_bytes,max_pool_pages,context,history_tokens,fill,spec_draft_n_max,status,note,prefill_tok_per_s,decode_tok_per_s,step_ms,step_ms_w1,step_ms_w2,step_ms_w3,step_ms_w4,h2d_bytes_per_step,h2d_gbps,resident_pages,ring_slots,pool_pages,weight_bytes,peak_arena_bytes,peak_device_bytes,acceptance,accepted_per_step,projections,h2d_ceiling_gbps,hbm_ceiling_gbps,roofline_step_ms,measured_over_roofline,peak_device_measured_bytes,step_issue_ms";
 
 fn opt(v: Option<f64>) -> String {
     v.map(|x| format!("{x:.6}")).unwrap_or_default()
@@ -74,6 +74,7 @@ pub fn csv_line(r: &BenchRow) -> String {
         r.peak_device_measured_bytes
             .map(|b| b.to_string())
             .unwrap_or_default(),
+        opt(r.step_issue_ms),
     ]
     .join(",")
 }
@@ -197,6 +198,7 @@ mod tests {
             resident_pages: vec![3, 1],
             roofline_step_ms: Some(0.5),
             peak_device_measured_bytes: (ctx > 2048).then_some(3 << 30),
+            step_issue_ms: (ctx > 2048).then_some(2.5),
             ..Default::default()
         }
     }
@@ -210,10 +212,11 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 3);
         let cols = CSV_HEADER.split(',').count();
-        assert_eq!(cols, 35);
-        // The driver-measured peak: empty on a backend without one, bytes otherwise.
-        assert!(lines[1].ends_with(','), "{}", lines[1]);
-        assert!(lines[2].ends_with(",3221225472"), "{}", lines[2]);
+        assert_eq!(cols, 36);
+        // The driver-measured peak and the host issue time: empty on a backend or row without
+        // them, bytes and milliseconds otherwise.
+        assert!(lines[1].ends_with(",,"), "{}", lines[1]);
+        assert!(lines[2].ends_with(",3221225472,2.500000"), "{}", lines[2]);
         assert!(
             lines[1].contains(",f16/f16,q4_g128 (head q8_0),"),
             "{}",

@@ -45,6 +45,10 @@ pub struct BenchRow {
     pub decode_tok_per_s: Option<f64>,
     /// The step the row is about: a decode step (n = 0) or a verify step of width n + 1, ms.
     pub step_ms: Option<f64>,
+    /// Host time spent issuing a decode step's forward pass (n = 0 rows), ms: close to `step_ms`
+    /// on a launch-bound device, well below it on a device-bound one.
+    #[serde(default)]
+    pub step_issue_ms: Option<f64>,
     /// Step time for query widths 1..=4 (median of the repetitions), ms.
     pub step_ms_by_width: Vec<Option<f64>>,
     /// Host → device bytes per step (of the row's step).

@@ -182,9 +182,11 @@ fn measure_context<B: ModelBackend>(
     engine.decode_step(tok).context("decode warm-up")?;
     let h0 = h2d(&engine.kv().stats());
     let t = Instant::now();
+    let mut issue_s = 0.0;
     for _ in 0..plan.decode_tokens {
         tok = rng.random_range(0..vocab);
         engine.decode_step(tok).context("decode step")?;
+        issue_s += engine.last_forward_host_seconds();
     }
     engine.backend().synchronize()?;
     let decode_s = t.elapsed().as_secs_f64();
@@ -216,6 +218,7 @@ fn measure_context<B: ModelBackend>(
             r.status = "ok".into();
             r.decode_tok_per_s = Some(plan.decode_tokens as f64 / decode_s);
             r.step_ms = Some(step_s * 1e3);
+            r.step_issue_ms = Some(issue_s / plan.decode_tokens.max(1) as f64 * 1e3);
             r.h2d_bytes_per_step = decode_bytes;
         } else {
             r.status = "projection".into();
