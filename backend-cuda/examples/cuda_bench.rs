@@ -95,6 +95,52 @@ fn time_graph<F: FnMut() -> Result<(), Box<dyn Error>>>(
     Ok(t0.elapsed().as_secs_f64() / (replays * per_graph) as f64)
 }
 
+/// `NxK,NxK,...` as (rows, columns) pairs.
+fn parse_shapes(list: &str) -> Result<Vec<(usize, usize)>, Box<dyn Error>> {
+    list.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            let (n, k) = s
+                .trim()
+                .split_once('x')
+                .ok_or_else(|| format!("shape {s:?} is not NxK"))?;
+            Ok((n.parse()?, k.parse()?))
+        })
+        .collect()
+}
+
+/// What one small op costs: `n` element-wise adds of one 5120-wide row (output allocation from
+/// the cache + launch), as host issue time, wall time per op, and GPU time per op inside a
+/// graph (no host cost). Issue ≈ wall means the host bounds a stream of small ops.
+fn launch_floor(b: &CudaBackend, report: &mut String) -> Result<(), Box<dyn Error>> {
+    let n = 2000usize;
+    let x = b.tensor_from_f32(&vec![0.5f32; 5120], &[1, 5120])?;
+    let run = || -> Result<(), Box<dyn Error>> {
+        let mut y = b.add(&x, &x)?;
+        for _ in 1..n {
+            y = b.add(&y, &x)?;
+        }
+        Ok(())
+    };
+    run()?;
+    b.synchronize()?;
+    let t0 = Instant::now();
+    run()?;
+    let issue = t0.elapsed().as_secs_f64();
+    b.synchronize()?;
+    let wall = t0.elapsed().as_secs_f64();
+    let graph = time_graph(b, 1, 5, run)?;
+    out!(
+        report,
+        "launch floor ({n} dependent adds of [1, 5120]): host issue {:.2} us/op, wall {:.2} us/op, \
+         in a graph {:.2} us/op",
+        issue / n as f64 * 1e6,
+        wall / n as f64 * 1e6,
+        graph / n as f64 * 1e6
+    )?;
+    Ok(())
+}
+
 /// A weight blob of `dt` `[n, k]` for bandwidth runs: a 1 MiB block of valid encoded values
 /// (random, |w| < 0.05) tiled over the code section, and (quantized) constant 0.01 scales; no NaN
 /// codes. Tiling keeps set-up fast on the 2.5 GB lm_head while the data still far exceeds L2.
@@ -301,8 +347,14 @@ fn main() -> Result<(), Box<dyn Error>> {
     out!(report, "hbm_read 4GiB: {:.3} ms, {hbm:.0} GB/s", secs * 1e3)?;
     drop(big);
 
-    // GEMV per weight format on the 27B shapes: MLP gate/up [17408, 5120], down [5120, 17408],
-    // projections [12288, 5120], lm_head [248320, 5120]. Bytes = the stored blob (codes + scales).
+    // Per-op floor: a decode step is ~1,500 small launches, so what one costs bounds the step.
+    launch_floor(&b, &mut report)?;
+
+    // GEMV per weight format on the 27B shapes as the model runs them (fused projections,
+    // docs/weights.md): MLP [gate; up] [34816, 5120], down [5120, 17408], GDN [qkv; z]
+    // [16384, 5120], attention [q+gate; k; v] [14336, 5120], the output projections [5120, 6144]
+    // and lm_head [248320, 5120]. `KVSTREAM_BENCH_GEMV_SHAPES=NxK,...` replaces the list (e.g.
+    // the unfused 17408x5120 of earlier runs). Bytes = the stored blob (codes + scales).
     let formats = [
         WeightDType::Bf16,
         WeightDType::Q8_0,
@@ -311,14 +363,24 @@ fn main() -> Result<(), Box<dyn Error>> {
         WeightDType::F8E4M3,
     ];
     // KVSTREAM_BENCH_SKIP_GEMV=1 skips this section (e.g. when only attention changed).
-    let gemv_shapes: &[(usize, usize)] = if std::env::var_os("KVSTREAM_BENCH_SKIP_GEMV").is_some() {
-        &[]
+    let gemv_shapes: Vec<(usize, usize)> = if std::env::var_os("KVSTREAM_BENCH_SKIP_GEMV").is_some()
+    {
+        Vec::new()
+    } else if let Ok(list) = std::env::var("KVSTREAM_BENCH_GEMV_SHAPES") {
+        parse_shapes(&list)?
     } else {
-        &[(17408, 5120), (5120, 17408), (12288, 5120), (248_320, 5120)]
+        vec![
+            (34_816, 5120),
+            (5120, 17_408),
+            (16_384, 5120),
+            (14_336, 5120),
+            (5120, 6144),
+            (248_320, 5120),
+        ]
     };
     let default_q4 = b.q4_gemv();
     let default_sk = b.gemv_sk();
-    for &(n, k) in gemv_shapes {
+    for &(n, k) in &gemv_shapes {
         for dt in formats {
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
