@@ -34,7 +34,7 @@ pub use lend::{LEND_DEFAULT, LEND_ENV};
 pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::linear::q4mmap::Q4_PDL_ENV;
 pub use ops::linear::sk_plan::{GemvSk, GEMV_SK_ENV, STREAM_K_DTYPES};
-pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_PATH_ENV};
+pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_FUSED_ENV, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
@@ -83,6 +83,8 @@ pub struct CudaBackend {
     pub(crate) lend: Mutex<Option<lend::Lend>>,
     /// Whether region loans redirect allocations ([`lend::LEND_ENV`]).
     pub(crate) lend_enabled: std::sync::atomic::AtomicBool,
+    /// The decode recurrence as one fused launch (`KVSTREAM_GDN_FUSED`, default on).
+    pub(crate) gdn_fused: std::sync::atomic::AtomicBool,
     /// Free lists of small allocations ([`alloc_cache`]); `None` when turned off.
     pub(crate) alloc_cache: Option<Arc<alloc_cache::AllocCache>>,
 }
@@ -185,6 +187,7 @@ impl CudaBackend {
             stream_k: Mutex::new(Default::default()),
             lend: Mutex::new(None),
             lend_enabled: std::sync::atomic::AtomicBool::new(lend::lend_from_env()),
+            gdn_fused: std::sync::atomic::AtomicBool::new(ops::gdn_fused_from_env()),
             alloc_cache: alloc_cache::enabled_from_env()
                 .then(|| Arc::new(alloc_cache::AllocCache::default())),
         })

@@ -870,6 +870,94 @@ fn conv1d_and_gated_delta_rule_match_cpu() {
     }
 }
 
+/// The fused decode recurrence (`gdn_recurrent_fused`: q/k norms and gates in the same launch)
+/// against the three launches it replaces: outputs and states bit for bit, widths 1 and 4 (MTP
+/// verification), the 27B head geometry and a ragged one, a gate input past softplus' linear
+/// branch; and against the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_decode_recurrence_is_bit_identical_to_three_launches() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(41);
+    for (k_heads, v_heads, k_dim, v_dim) in [(2, 6, 128, 128), (2, 4, 64, 48)] {
+        for tokens in [1, 4] {
+            let s = DeltaShape {
+                tokens,
+                k_heads,
+                v_heads,
+                k_dim,
+                v_dim,
+            };
+            let q = rnd(&mut rng, tokens * k_heads * k_dim, 1.0);
+            let kk = rnd(&mut rng, tokens * k_heads * k_dim, 1.0);
+            let v = rnd(&mut rng, tokens * v_heads * v_dim, 1.0);
+            let mut a = rnd(&mut rng, tokens * v_heads, 2.0);
+            a[0] = 30.0;
+            let b = rnd(&mut rng, tokens * v_heads, 2.0);
+            let alog = rnd(&mut rng, v_heads, 1.0);
+            let dtb = rnd(&mut rng, v_heads, 1.0);
+            let st0 = rnd(&mut rng, v_heads * k_dim * v_dim, 0.3);
+            let (qc, qg) = p.t(&q, &[tokens, k_heads, k_dim]);
+            let (kc, kg) = p.t(&kk, &[tokens, k_heads, k_dim]);
+            let (vc, vg) = p.t(&v, &[tokens, v_heads, v_dim]);
+            let (ac, ag) = p.t(&a, &[tokens, v_heads]);
+            let (bc, bg) = p.t(&b, &[tokens, v_heads]);
+            let (alc, alg) = p.w(&alog, &[v_heads], WeightDType::F32);
+            let (dc, dg) = p.w(&dtb, &[v_heads], WeightDType::Bf16);
+            let run = |fused: bool| {
+                p.gpu.set_gdn_fused(fused);
+                let mut st = p
+                    .gpu
+                    .tensor_from_f32(&st0, &[v_heads, k_dim, v_dim])
+                    .expect("st");
+                let o = p
+                    .gpu
+                    .gated_delta_rule(
+                        &s,
+                        &qg,
+                        &kg,
+                        &vg,
+                        &ag,
+                        &bg,
+                        &alg,
+                        &dg,
+                        &mut st,
+                        DeltaMode::Recurrent,
+                    )
+                    .expect("gpu");
+                (
+                    p.gpu.tensor_to_f32(&o).expect("o"),
+                    p.gpu.tensor_to_f32(&st).expect("state"),
+                )
+            };
+            let (o3, s3) = run(false);
+            let (o1, s1) = run(true);
+            let what = format!("[{k_heads}x{v_heads}x{k_dim}x{v_dim}] t={tokens}");
+            assert_eq!(bits(&o1), bits(&o3), "{what}: output");
+            assert_eq!(bits(&s1), bits(&s3), "{what}: state");
+            let (mut sc, _) = p.t(&st0, &[v_heads, k_dim, v_dim]);
+            let oc = p
+                .cpu
+                .gated_delta_rule(
+                    &s,
+                    &qc,
+                    &kc,
+                    &vc,
+                    &ac,
+                    &bc,
+                    &alc,
+                    &dc,
+                    &mut sc,
+                    DeltaMode::Recurrent,
+                )
+                .expect("cpu");
+            let c = p.cpu.tensor_to_f32(&oc).expect("cpu o");
+            close(&format!("fused recurrence {what}"), &o1, &c, 1e-4, 1e-3);
+        }
+    }
+    p.gpu.set_gdn_fused(true);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kv_write_bytes_equal_cpu_for_every_format() {
@@ -906,4 +994,9 @@ fn kv_write_bytes_equal_cpu_for_every_format() {
             assert_eq!(og, oc, "{kt}/{vt}: page bytes differ");
         }
     }
+}
+
+/// The bit patterns of `v` (exact comparison, NaN-safe).
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
 }

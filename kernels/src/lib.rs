@@ -145,6 +145,7 @@ pub const MODULES: &[KernelModule] = &[
             "gdn_qk_norm",
             "gdn_gates",
             "gdn_recurrent",
+            "gdn_recurrent_fused",
             "gdn_chunk_prep",
             "gdn_chunk_scan",
         ],

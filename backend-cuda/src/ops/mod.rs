@@ -12,6 +12,8 @@ pub(crate) use kv::kv_code;
 pub(crate) mod linear;
 mod pointwise;
 mod recurrent;
+pub(crate) use recurrent::gdn_fused_from_env;
+pub use recurrent::GDN_FUSED_ENV;
 mod tensor;
 mod vision;
 

@@ -5,6 +5,8 @@
 //! or `KVSTREAM_GDN=recurrent`) or, for `DeltaMode::Chunked` calls of at least
 //! [`GDN_CHUNK_MIN_TOKENS`](super::gdn_chunk::GDN_CHUNK_MIN_TOKENS) tokens, the chunked WY form of
 //! [`super::gdn_chunk`] (chunks of min(chunk, 64) tokens). The two are equal in exact arithmetic.
+//! The token recurrence runs as ONE launch (`gdn_recurrent_fused`: norms and gates inside, the
+//! same arithmetic, bit-identical) unless `KVSTREAM_GDN_FUSED=0`.
 
 use super::gdn_chunk::{self, Prepared};
 use crate::launch::{args, grid1d};
@@ -136,6 +138,11 @@ impl RecurrentOps for CudaBackend {
         if s.tokens == 0 {
             return Ok(out);
         }
+        let chunk = gdn_chunk::chunk_for(&s, mode);
+        if chunk.is_none() && self.gdn_fused() {
+            self.gdn_recurrent_fused(&s, q, k, v, a, b, a_log, dt_bias, state, &out)?;
+            return Ok(out);
+        }
         let rows = s.tokens * s.k_heads;
         let qn = self.tensor_uninit(&[rows, s.k_dim])?;
         let kn = self.tensor_uninit(&[rows, s.k_dim])?;
@@ -176,7 +183,7 @@ impl RecurrentOps for CudaBackend {
             let mut ar = args![&ap, &bp, &alp, &dbp, &dta, &dtb, &betap, &gp, &t64, &hv];
             self.launch("gdn_gates", f, grid1d(s.tokens * s.v_heads, 256), &mut ar)?;
         }
-        if let Some(chunk) = gdn_chunk::chunk_for(&s, mode) {
+        if let Some(chunk) = chunk {
             let p = Prepared {
                 qn: &qn,
                 kn: &kn,
@@ -202,13 +209,83 @@ impl RecurrentOps for CudaBackend {
                 s.v_dim as i32,
             );
             let mut ar = args![&qnp, &knp, &vp, &betap, &gp, &sp, &op_, &t64, &hk, &hv, &kd, &vd];
-            let cfg = LaunchConfig {
-                grid_dim: (s.v_heads as u32, s.v_dim.div_ceil(32) as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("gdn_recurrent", f, cfg, &mut ar)?;
+            self.launch("gdn_recurrent", f, recurrent_cfg(&s), &mut ar)?;
         }
         Ok(out)
+    }
+}
+
+/// Environment switch for the fused decode recurrence (`0`: the three launches qk-norm, gates,
+/// recurrence; for A/B runs). Default on.
+pub const GDN_FUSED_ENV: &str = "KVSTREAM_GDN_FUSED";
+
+/// Whether the environment leaves the fused decode recurrence on (unset: on).
+pub(crate) fn gdn_fused_from_env() -> bool {
+    std::env::var(GDN_FUSED_ENV).map_or(true, |v| v.trim() != "0")
+}
+
+/// Grid of the recurrence kernels: one block of 8 warps per (v head, 32 value columns).
+fn recurrent_cfg(s: &DeltaShape) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (s.v_heads as u32, s.v_dim.div_ceil(32) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// Chooses the decode recurrence: one fused launch (default) or qk-norm, gates and
+    /// recurrence as three (overrides `KVSTREAM_GDN_FUSED`; results are bit-identical).
+    pub fn set_gdn_fused(&self, on: bool) {
+        self.gdn_fused
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The decode recurrence switch now ([`Self::set_gdn_fused`]).
+    pub fn gdn_fused(&self) -> bool {
+        self.gdn_fused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The per-token recurrence with the q/k L2 norms and the gates done in the same launch
+    /// (`gdn_recurrent_fused`); shapes already checked by `gated_delta_rule`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_recurrent_fused(
+        &self,
+        s: &DeltaShape,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+        state: &mut CudaTensor,
+        out: &CudaTensor,
+    ) -> Result<(), OpError> {
+        let f = self.func("gdn_recurrent_fused")?;
+        let (qp, kp, vp, bp, ap, alp, dbp) = (
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            b.ptr(),
+            a.ptr(),
+            a_log.ptr(),
+            dt_bias.ptr(),
+        );
+        let dta = elementwise_dtype_code("gated_delta_rule", a_log.dtype)?;
+        let dtb = elementwise_dtype_code("gated_delta_rule", dt_bias.dtype)?;
+        let (sp, op_, t64, hk, hv, kd, vd) = (
+            state.ptr(),
+            out.ptr(),
+            s.tokens as u64,
+            s.k_heads as i32,
+            s.v_heads as i32,
+            s.k_dim as i32,
+            s.v_dim as i32,
+        );
+        let mut ar = args![
+            &qp, &kp, &vp, &bp, &ap, &alp, &dbp, &dta, &dtb, &sp, &op_, &t64, &hk, &hv, &kd, &vd
+        ];
+        self.launch("gdn_recurrent", f, recurrent_cfg(s), &mut ar)
     }
 }

@@ -50,10 +50,20 @@ extern "C" __global__ void gdn_gates(const float* a, const float* b, const void*
 
 // The recurrence. Block (32 v columns × 8 k slices) per (v head, 32-column group). Each thread keeps
 // S[i, j] for its column j and its k slice in registers (k_dim <= 8 * GDN_MAX_KS).
+//
+// FUSED (`gdn_recurrent_fused`, the decode path): the block also does gdn_qk_norm's and gdn_gates'
+// work for its head and tokens, from the raw q, k (warps 0 and 1: the same lane-strided sums,
+// warp_sum and scaling as gdn_qk_norm, so the same bits), a, b (every thread: gdn_gates'
+// expressions) — two launches and their round trips less per GDN layer. Else q, k are qn, kn and
+// `bg_b`, `bg_a` are beta and g from those kernels.
 #define GDN_MAX_KS 32
-extern "C" __global__ void gdn_recurrent(const float* qn, const float* kn, const float* v, const float* beta,
-                                         const float* g, float* state, float* o, u64 T, int Hk, int Hv, int k_dim,
-                                         int v_dim) {
+template <bool FUSED>
+__device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ q, const float* __restrict__ k,
+                                                   const float* __restrict__ v, const float* __restrict__ bg_b,
+                                                   const float* __restrict__ bg_a, const void* a_log,
+                                                   const void* dt_bias, int dt_alog, int dt_bias_t,
+                                                   float* state, float* o, u64 T, int Hk, int Hv, int k_dim,
+                                                   int v_dim) {
     __shared__ float qs[8 * GDN_MAX_KS];
     __shared__ float ks[8 * GDN_MAX_KS];
     __shared__ float red[8][33];
@@ -71,13 +81,29 @@ extern "C" __global__ void gdn_recurrent(const float* qn, const float* kn, const
         S[e] = (e < per && i < k_dim && j < v_dim) ? st[(u64)i * v_dim + j] : 0.0f;
     }
     for (u64 t = 0; t < T; t++) {
-        for (int i = threadIdx.x; i < k_dim; i += blockDim.x) {
-            qs[i] = qn[(t * Hk + kh) * k_dim + i];
-            ks[i] = kn[(t * Hk + kh) * k_dim + i];
+        float decay, bt;
+        if (FUSED) {
+            if (sl < 2) {  // warp 0: q, warp 1: k (gdn_qk_norm's arithmetic)
+                const float* r = (sl == 0 ? q : k) + (t * Hk + kh) * k_dim;
+                float sq = 0.0f;
+                for (int i = jl; i < k_dim; i += 32) sq += r[i] * r[i];
+                sq = warp_sum(sq);
+                const float sc = sl == 0 ? rsqrtf(sq + 1e-6f) * rsqrtf((float)k_dim) : rsqrtf(sq + 1e-6f);
+                float* dst = sl == 0 ? qs : ks;
+                for (int i = jl; i < k_dim; i += 32) dst[i] = r[i] * sc;
+            }
+            const u64 gi = t * Hv + h;  // gdn_gates' arithmetic
+            bt = sigmoid_f(bg_b[gi]);
+            decay = expf(-expf(load_w(a_log, dt_alog, h)) * softplus_f(bg_a[gi] + load_w(dt_bias, dt_bias_t, h)));
+        } else {
+            for (int i = threadIdx.x; i < k_dim; i += blockDim.x) {
+                qs[i] = q[(t * Hk + kh) * k_dim + i];
+                ks[i] = k[(t * Hk + kh) * k_dim + i];
+            }
+            decay = expf(bg_a[t * Hv + h]);
+            bt = bg_b[t * Hv + h];
         }
         __syncthreads();
-        float decay = expf(g[t * Hv + h]);
-        float bt = beta[t * Hv + h];
         float part = 0.0f;
 #pragma unroll
         for (int e = 0; e < GDN_MAX_KS; e++) {
@@ -111,6 +137,20 @@ extern "C" __global__ void gdn_recurrent(const float* qn, const float* kn, const
         int i = i0 + e;
         if (e < per && i < k_dim && j < v_dim) st[(u64)i * v_dim + j] = S[e];
     }
+}
+
+extern "C" __global__ void gdn_recurrent(const float* qn, const float* kn, const float* v, const float* beta,
+                                         const float* g, float* state, float* o, u64 T, int Hk, int Hv, int k_dim,
+                                         int v_dim) {
+    gdn_recurrent_body<false>(qn, kn, v, beta, g, nullptr, nullptr, 0, 0, state, o, T, Hk, Hv, k_dim, v_dim);
+}
+
+// q, k [T, Hk, k_dim] raw; a, b [T, Hv]; a_log, dt_bias [Hv] (dtype codes dt_alog, dt_bias_t).
+extern "C" __global__ void gdn_recurrent_fused(const float* q, const float* k, const float* v, const float* b,
+                                               const float* a, const void* a_log, const void* dt_bias, int dt_alog,
+                                               int dt_bias_t, float* state, float* o, u64 T, int Hk, int Hv,
+                                               int k_dim, int v_dim) {
+    gdn_recurrent_body<true>(q, k, v, b, a, a_log, dt_bias, dt_alog, dt_bias_t, state, o, T, Hk, Hv, k_dim, v_dim);
 }
 
 // ---- Chunked (WY) form for long prefills (qwen-spec §3.6 "Chunked form"), two kernels per segment ----
