@@ -72,6 +72,18 @@ __device__ __forceinline__ float load_w(const void* p, int dt, u64 i) {
     return ((const float*)p)[i];
 }
 
+// Programmatic dependent launch (sm_90): lets the next kernel of the stream start now if it was
+// launched as a programmatic dependent (the q4 tensor-core GEMVs after their x prep: they stream
+// their first weights, then `griddepcontrol.wait` for this grid's completion and memory before
+// reading its output). A no-op for dependents launched normally, which wait for this grid's
+// completion as usual.
+// Before sm_90 there is no programmatic launch: nothing to do.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }

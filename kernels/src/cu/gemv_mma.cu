@@ -75,11 +75,13 @@ __device__ __forceinline__ u32 qm_word(const uint4& v, int i) {
 // at once (`qm_grid_launch_dependents`); the GEMV streams its first weights, then waits for the
 // x-prep grid's completion and memory (`qm_grid_wait`) before it reads x. Both are no-ops for a
 // kernel launched without the programmatic-serialization attribute.
-__device__ __forceinline__ void qm_grid_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
+__device__ __forceinline__ void qm_grid_launch_dependents() { grid_launch_dependents(); }
 
-__device__ __forceinline__ void qm_grid_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void qm_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // Streaming 16-byte load (read once: no L1 allocation). QM_L2_HINT (0, 128 or 256; other values via
 // KVSTREAM_NVRTC_DEFINES for A/B builds) asks L2 to fetch that many bytes around the address: a
