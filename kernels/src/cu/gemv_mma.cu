@@ -285,7 +285,6 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             if (j0 + s >= total) break;
             const uint4 va4 = ca[s], vb4 = cb[s];
             const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
-            load(s);  // refill this stage with the item QP_P further on
             const uint4* xg = xq + (u64)cg * 32;
             float ch[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -317,6 +316,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
                 qm_mma(ch, a0, a1, a2, a3, x1.x, x1.y);
                 qm_mma(cl, a0, a1, a2, a3, x1.z, x1.w);
             }
+            load(s);  // refill this stage with the item QP_P further on (see q4i8p_body)
             acc[0] = fmaf(qa, ch[0] + cl[0], acc[0]);
             acc[1] = fmaf(qa, ch[1] + cl[1], acc[1]);
             acc[2] = fmaf(qb, ch[2] + cl[2], acc[2]);
@@ -578,7 +578,6 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
             if (j0 + s >= total) break;
             const uint4 va4 = ca[s], vb4 = cb[s];
             const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
-            load(s);  // refill this stage with the item QP_P further on
             const uint4* xg = xb + (u64)cg * QI_U4;
             int c2[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0}, c0[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -600,6 +599,11 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
                     qi_mma(c0, a0, a1, a2, a3, p0.x, p0.y);
                 }
             }
+            // Refill this stage with the item QP_P further on once its codes are unpacked: the
+            // load then writes the registers it frees (issued before the unpacking, it needed a
+            // second set of ring registers, which the rolled loop copied back every trip: ~8
+            // moves per item and a spill).
+            load(s);
             const uint4 m0 = ma[(u64)cg * QI_U4];
             const float xa = __uint_as_float(m0.x);
             acc[0] = fmaf(qi_value(c2, c1, c0, 0, m0), __fmul_rn(xa, qa), acc[0]);
