@@ -16,10 +16,12 @@ __device__ __forceinline__ float norm_sq4(float s, float4 v) {
     s += v.w * v.w;
     return s;
 }
-__device__ __forceinline__ float4 norm_scale4(float4 v, float r, const void* __restrict__ w, int dt, u64 i4, float off) {
+__device__ __forceinline__ float4 norm_w4(const void* __restrict__ w, int dt, u64 i4) {
     const u64 i = 4 * i4;
-    return make_float4(v.x * r * (load_w(w, dt, i) + off), v.y * r * (load_w(w, dt, i + 1) + off),
-                       v.z * r * (load_w(w, dt, i + 2) + off), v.w * r * (load_w(w, dt, i + 3) + off));
+    return make_float4(load_w(w, dt, i), load_w(w, dt, i + 1), load_w(w, dt, i + 2), load_w(w, dt, i + 3));
+}
+__device__ __forceinline__ float4 norm_scale4(float4 v, float r, float4 wv, float off) {
+    return make_float4(v.x * r * (wv.x + off), v.y * r * (wv.y + off), v.z * r * (wv.z + off), v.w * r * (wv.w + off));
 }
 
 // One row: h = a + b (ADD; stored) or h = a, then y = h · rsqrt(mean(h²) + eps) · (w + off).
@@ -45,11 +47,14 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
         const u64 d4 = d / 4;
         const float4* A = (const float4*)a;
         const float4* B = (const float4*)b;
-        float4 c[NORM_CACHE];
+        float4 c[NORM_CACHE], wc[NORM_CACHE];
 #pragma unroll
         for (int j = 0; j < NORM_CACHE; j++) {
             const u64 i = threadIdx.x + (u64)j * blockDim.x;
-            if (i < d4) c[j] = ADD ? norm_add4(A[i], B[i]) : A[i];
+            if (i < d4) {
+                c[j] = ADD ? norm_add4(A[i], B[i]) : A[i];
+                wc[j] = norm_w4(w, dt, i);  // in flight with the row, used after the reduction
+            }
         }
 #pragma unroll
         for (int j = 0; j < NORM_CACHE; j++) {
@@ -68,11 +73,11 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
 #pragma unroll
         for (int j = 0; j < NORM_CACHE; j++) {
             const u64 i = threadIdx.x + (u64)j * blockDim.x;
-            if (i < d4) ((float4*)y)[i] = norm_scale4(c[j], r, w, dt, i, off);
+            if (i < d4) ((float4*)y)[i] = norm_scale4(c[j], r, wc[j], off);
         }
         for (u64 i = threadIdx.x + (u64)NORM_CACHE * blockDim.x; i < d4; i += blockDim.x) {
             const float4 v = ADD ? norm_add4(A[i], B[i]) : A[i];
-            ((float4*)y)[i] = norm_scale4(v, r, w, dt, i, off);
+            ((float4*)y)[i] = norm_scale4(v, r, norm_w4(w, dt, i), off);
         }
     } else {
 #pragma unroll 4

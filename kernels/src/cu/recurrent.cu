@@ -9,16 +9,26 @@ extern "C" __global__ void causal_conv1d_f32(const float* x, const void* w, int 
     if (c >= C) return;
     float win[CONV_MAX_K];
     float wk[CONV_MAX_K];
-    for (int j = 0; j < K; j++) wk[j] = load_w(w, dt, c * K + j);
-    for (int j = 0; j < K - 1; j++) win[j] = state[j * C + c];
-    for (u64 t = 0; t < T; t++) {
-        win[K - 1] = x[t * C + c];
-        float s = 0.0f;
-        for (int j = 0; j < K; j++) s += wk[j] * win[j];
-        y[t * C + c] = silu_f(s);
-        for (int j = 0; j < K - 1; j++) win[j] = win[j + 1];
+    // Unrolled to the bound so the weight and state loads are in flight together.
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_K; j++) {
+        if (j < K) wk[j] = load_w(w, dt, c * K + j);
+        if (j < K - 1) win[j] = state[j * C + c];
     }
-    for (int j = 0; j < K - 1; j++) state[j * C + c] = win[j];
+    for (u64 t = 0; t < T; t++) {
+        const float xt = x[t * C + c];
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_K; j++)
+            if (j < K) s += wk[j] * (j == K - 1 ? xt : win[j]);
+        y[t * C + c] = silu_f(s);
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_MAX_K; j++)
+            if (j < K - 1) win[j] = j + 1 == K - 1 ? xt : win[j + 1];
+    }
+#pragma unroll
+    for (int j = 0; j + 1 < CONV_MAX_K; j++)
+        if (j < K - 1) state[j * C + c] = win[j];
 }
 
 // Per token and head: q, k l2-normalised (eps 1e-6), q scaled by 1/sqrt(k_dim). One warp per (t, k head).
@@ -85,12 +95,23 @@ __device__ __forceinline__ void gdn_recurrent_body(const float* __restrict__ q, 
         if (FUSED) {
             if (sl < 2) {  // warp 0: q, warp 1: k (gdn_qk_norm's arithmetic)
                 const float* r = (sl == 0 ? q : k) + (t * Hk + kh) * k_dim;
+                // k_dim <= 8 · GDN_MAX_KS = 256: at most 8 values per lane, loaded together.
+                float rv[8 * GDN_MAX_KS / 32];
                 float sq = 0.0f;
-                for (int i = jl; i < k_dim; i += 32) sq += r[i] * r[i];
+#pragma unroll
+                for (int e = 0; e < 8 * GDN_MAX_KS / 32; e++) {
+                    const int i = jl + 32 * e;
+                    rv[e] = i < k_dim ? r[i] : 0.0f;
+                }
+#pragma unroll
+                for (int e = 0; e < 8 * GDN_MAX_KS / 32; e++)
+                    if (jl + 32 * e < k_dim) sq += rv[e] * rv[e];
                 sq = warp_sum(sq);
                 const float sc = sl == 0 ? rsqrtf(sq + 1e-6f) * rsqrtf((float)k_dim) : rsqrtf(sq + 1e-6f);
                 float* dst = sl == 0 ? qs : ks;
-                for (int i = jl; i < k_dim; i += 32) dst[i] = r[i] * sc;
+#pragma unroll
+                for (int e = 0; e < 8 * GDN_MAX_KS / 32; e++)
+                    if (jl + 32 * e < k_dim) dst[jl + 32 * e] = rv[e] * sc;
             }
             const u64 gi = t * Hv + h;  // gdn_gates' arithmetic
             bt = sigmoid_f(bg_b[gi]);
