@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--lib", default=None)
     ap.add_argument("--src", default=check_kernels.CU_DIR)
+    ap.add_argument("--cubin-dir", default=None, help="also write each matching module's cubin there (for nvdisasm)")
     ap.add_argument("pattern", nargs="?", default=".")
     args = ap.parse_args()
     path = check_kernels.find_nvrtc(args.lib)
@@ -101,6 +102,10 @@ def main():
         buf = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetCUBIN(prog, buf)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        if args.cubin_dir:
+            os.makedirs(args.cubin_dir, exist_ok=True)
+            with open(os.path.join(args.cubin_dir, name + ".cubin"), "wb") as f:
+                f.write(buf.raw)
         for k, (r, frame) in sorted(elf_regs(buf.raw).items()):
             if pat.search(k):
                 print(f"{k:<28} {r:>4} regs {frame:>6} B frame")
