@@ -9,7 +9,7 @@ use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::ops::*;
 use kvstream_memory_contracts::transfer::DeviceMemory;
-use kvstream_memory_contracts::{dequantize, quantize};
+use kvstream_memory_contracts::{dequantize, quantize, DeviceTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -704,6 +704,22 @@ fn embedding_norms_rope_activations_match_cpu() {
     for (c1, g1) in sc.iter().zip(&sg) {
         let (g, cpu) = p.get(c1, g1);
         assert_eq!(g, cpu, "split_cols is exact");
+    }
+    // Multi-row splits run four parts per launch: six parts (two launches), one of them empty.
+    let many = rnd(&mut rng, 4 * 2 * 50, 1.0);
+    let (mc, mg) = p.t(&many, &[4, 100]);
+    let parts = [7, 0, 13, 11, 4, 15];
+    let sc = p.cpu.split_cols(&mc, 2, &parts).expect("cpu");
+    let sg = p.gpu.split_cols(&mg, 2, &parts).expect("gpu");
+    assert_eq!(sg.len(), parts.len());
+    for (i, (c1, g1)) in sc.iter().zip(&sg).enumerate() {
+        assert_eq!(
+            DeviceTensor::dims(g1),
+            DeviceTensor::dims(c1),
+            "part {i} shape"
+        );
+        let (g, cpu) = p.get(c1, g1);
+        assert_eq!(g, cpu, "six-part split_cols, part {i}");
     }
     let (g, cpu) = p.get(
         &p.cpu.rows(&ac, 2, 3).expect("cpu"),

@@ -48,6 +48,7 @@ pub const MODULES: &[KernelModule] = &[
             "swiglu_f32",
             "sigmoid_gate_f32",
             "copy_cols_f32",
+            "split_cols_f32",
             "embedding_gather",
             "argmax_rows_f32",
         ],

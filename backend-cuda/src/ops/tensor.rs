@@ -13,6 +13,43 @@ use std::sync::Arc;
 impl CudaBackend {
     /// dst[r, dst_col0 + c] = src[r, src_col0 + c].
     #[allow(clippy::too_many_arguments)]
+    /// `split_cols` of `x` = [t, groups × width] into fresh [t, groups × size] tensors: up to
+    /// four parts per launch (`split_cols_f32`).
+    fn split_cols_copied(
+        &self,
+        x: &CudaTensor,
+        t: usize,
+        groups: usize,
+        width: usize,
+        sizes: &[usize],
+    ) -> Result<Vec<CudaTensor>, OpError> {
+        let rows = t * groups;
+        let outs = sizes
+            .iter()
+            .map(|&s| self.tensor_uninit(&[t, groups * s]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let f = self.func("split_cols_f32")?;
+        let mut col0 = 0usize;
+        for (chunk, parts) in sizes.chunks(4).zip(outs.chunks(4)) {
+            let span: usize = chunk.iter().sum();
+            if span > 0 && rows > 0 {
+                let mut d = [0u64; 4];
+                let mut n = [0u64; 4];
+                for (i, (&s, o)) in chunk.iter().zip(parts).enumerate() {
+                    d[i] = o.ptr();
+                    n[i] = s as u64;
+                }
+                let (sp, w64, r64, c64) = (x.ptr(), width as u64, rows as u64, col0 as u64);
+                let mut a = args![
+                    &sp, &w64, &r64, &c64, &d[0], &n[0], &d[1], &n[1], &d[2], &n[2], &d[3], &n[3]
+                ];
+                self.launch("split_cols", f, grid1d(rows * span, 256), &mut a)?;
+            }
+            col0 += span;
+        }
+        Ok(outs)
+    }
+
     pub(crate) fn copy_cols(
         &self,
         src: &CudaTensor,
@@ -166,6 +203,9 @@ impl TensorOps for CudaBackend {
             ));
         }
         let t = x.numel() / c;
+        if t * groups > 1 {
+            return self.split_cols_copied(x, t, groups, width, sizes);
+        }
         let mut outs = Vec::with_capacity(sizes.len());
         let mut col0 = 0;
         for &s in sizes {

@@ -25,6 +25,31 @@ extern "C" __global__ void copy_cols_f32(const float* src, u64 src_stride, u64 s
     }
 }
 
+// Up to four consecutive column ranges of src [rows, width], starting at column col0, into their own
+// [rows, s_p] tensors in one launch (split_cols of more than one row: one copy_cols per part
+// before, ~8 launches per layer of an MTP verification step). A part with s_p = 0 is skipped.
+extern "C" __global__ void split_cols_f32(const float* __restrict__ src, u64 width, u64 rows, u64 col0,
+                                          float* d0, u64 s0, float* d1, u64 s1, float* d2, u64 s2, float* d3,
+                                          u64 s3) {
+    const u64 span = s0 + s1 + s2 + s3;
+    const u64 n = rows * span;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / span;
+        u64 c = i % span;
+        const float v = src[r * width + col0 + c];
+        if (c < s0) {
+            d0[r * s0 + c] = v;
+        } else if ((c -= s0) < s1) {
+            d1[r * s1 + c] = v;
+        } else if ((c -= s1) < s2) {
+            d2[r * s2 + c] = v;
+        } else {
+            c -= s2;
+            d3[r * s3 + c] = v;
+        }
+    }
+}
+
 // out[i, :] = table[ids[i], :] as f32. One block row per id.
 extern "C" __global__ void embedding_gather(const void* table, int dt, const u32* ids, u64 n_ids,
                                             u64 hidden, float* out) {
