@@ -140,7 +140,16 @@ impl RecurrentOps for CudaBackend {
         }
         let chunk = gdn_chunk::chunk_for(&s, mode);
         if chunk.is_none() && self.gdn_fused() {
-            self.gdn_recurrent_fused(&s, q, k, v, a, b, a_log, dt_bias, state, &out)?;
+            let raw = RawDeltaInputs {
+                q,
+                k,
+                v,
+                a,
+                b,
+                a_log,
+                dt_bias,
+            };
+            self.gdn_recurrent_fused(&s, &raw, state, &out)?;
             return Ok(out);
         }
         let rows = s.tokens * s.k_heads;
@@ -215,6 +224,18 @@ impl RecurrentOps for CudaBackend {
     }
 }
 
+/// The inputs of `gated_delta_rule` before the q/k norms and gates (what the fused kernel reads).
+#[derive(Clone, Copy)]
+struct RawDeltaInputs<'a> {
+    q: &'a CudaTensor,
+    k: &'a CudaTensor,
+    v: &'a CudaTensor,
+    a: &'a CudaTensor,
+    b: &'a CudaTensor,
+    a_log: &'a CudaWeight,
+    dt_bias: &'a CudaWeight,
+}
+
 /// Environment switch for the fused decode recurrence (`0`: the three launches qk-norm, gates,
 /// recurrence; for A/B runs). Default on.
 pub const GDN_FUSED_ENV: &str = "KVSTREAM_GDN_FUSED";
@@ -248,20 +269,22 @@ impl CudaBackend {
 
     /// The per-token recurrence with the q/k L2 norms and the gates done in the same launch
     /// (`gdn_recurrent_fused`); shapes already checked by `gated_delta_rule`.
-    #[allow(clippy::too_many_arguments)]
     fn gdn_recurrent_fused(
         &self,
         s: &DeltaShape,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        a: &CudaTensor,
-        b: &CudaTensor,
-        a_log: &CudaWeight,
-        dt_bias: &CudaWeight,
+        raw: &RawDeltaInputs<'_>,
         state: &mut CudaTensor,
         out: &CudaTensor,
     ) -> Result<(), OpError> {
+        let RawDeltaInputs {
+            q,
+            k,
+            v,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        } = *raw;
         let f = self.func("gdn_recurrent_fused")?;
         let (qp, kp, vp, bp, ap, alp, dbp) = (
             q.ptr(),
