@@ -382,6 +382,12 @@ fn main() -> Result<(), Box<dyn Error>> {
     let default_sk = b.gemv_sk();
     for &(n, k) in &gemv_shapes {
         for dt in formats {
+            // KVSTREAM_BENCH_DTYPES=q4_g128,bf16 keeps only the named formats.
+            if let Ok(keep) = std::env::var("KVSTREAM_BENCH_DTYPES") {
+                if !keep.split(',').any(|d| d.trim() == dt.name()) {
+                    continue;
+                }
+            }
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
             let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
@@ -394,6 +400,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             b.set_gemv_sk(default_sk);
             let paths: Vec<GemvPath> = if dt.is_q4() {
                 vec![
+                    GemvPath::Q4(Q4Gemv::Int8Cols),
                     GemvPath::Q4(Q4Gemv::Int8),
                     GemvPath::Q4(Q4Gemv::MmaPersistent),
                     GemvPath::Q4(Q4Gemv::Simt),
@@ -414,6 +421,7 @@ fn main() -> Result<(), Box<dyn Error>> {
                     GemvPath::Q4(Q4Gemv::MmaPersistent) => " (mmap)",
                     GemvPath::Q4(Q4Gemv::Simt) => " (simt)",
                     GemvPath::Q4(Q4Gemv::Int8) => " (i8)",
+                    GemvPath::Q4(Q4Gemv::Int8Cols) => " (i8c)",
                     GemvPath::Q4(Q4Gemv::Auto) => " (auto)",
                     GemvPath::Sk(_) => "",
                 };

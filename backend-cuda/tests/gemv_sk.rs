@@ -216,7 +216,8 @@ fn stream_k_buffers_are_reusable_across_shapes_and_kernels() {
         bits(&c.gpu.tensor_to_f32(&y).expect("y"))
     };
     let (ynm, yni) = (nl(&xb, Q4Gemv::MmaPersistent), nl(&xb, Q4Gemv::Int8));
-    for (y, path) in [(&ynm, "mmap"), (&yni, "i8")] {
+    let ync = nl(&xb, Q4Gemv::Int8Cols);
+    for (y, path) in [(&ynm, "mmap"), (&yni, "i8"), (&ync, "i8c")] {
         let yf: Vec<f32> = y.iter().map(|b| f32::from_bits(*b)).collect();
         check(
             &format!("q4_nl {path} [2048x5120] t=1"),
@@ -236,6 +237,7 @@ fn stream_k_buffers_are_reusable_across_shapes_and_kernels() {
             "round {round}: q4_nl mmap"
         );
         assert_eq!(nl(&xb, Q4Gemv::Int8), yni, "round {round}: q4_nl i8");
+        assert_eq!(nl(&xb, Q4Gemv::Int8Cols), ync, "round {round}: q4_nl i8c");
         assert_eq!(
             bits(&c.run(&a.gpu, &xa, 3, 12352)),
             bits(&ya),

@@ -515,6 +515,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
             Q4Gemv::Simt,
             Q4Gemv::MmaPersistent,
             Q4Gemv::Int8,
+            Q4Gemv::Int8Cols,
             Q4Gemv::Auto,
         ] {
             p.gpu.set_q4_gemv(path);

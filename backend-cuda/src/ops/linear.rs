@@ -258,6 +258,8 @@ impl CudaBackend {
                         q4mmap::MmapKind::SplitBf16 => "gemv_q4mmap",
                         q4mmap::MmapKind::Int8 => "gemv_q4i8p",
                         q4mmap::MmapKind::Int8Nl => "gemv_q4nli8p",
+                        q4mmap::MmapKind::Int8Cols => "gemv_q4i8c",
+                        q4mmap::MmapKind::Int8ColsNl => "gemv_q4nli8c",
                         q4mmap::MmapKind::SplitBf16Nl => "gemv_q4nlmmap",
                     };
                 }

@@ -131,6 +131,22 @@ extern "C" __global__ void gemv_q4mma_xprep(const float* __restrict__ x, uint4* 
     xf[base + (2 * w + 1) * 4 + tq] = make_uint4(h26, h37, l26, l37);
 }
 
+// Stages x fragments in shared memory: token t's `per` uint4 at xs[t · tstride], then a block
+// barrier. Every copy is a cp.async issued before any is waited for, so the block waits one L2
+// round trip (a load-then-store loop waited once per element: up to 18 round trips at K = 17408,
+// seen in the SASS of session 9).
+__device__ __forceinline__ void qp_stage_x(uint4* xs, const uint4* __restrict__ xf, int T, u32 per, u32 tstride) {
+    for (int t = 0; t < T; t++) {
+        for (u32 i = threadIdx.x; i < per; i += blockDim.x) {
+            u32 d;
+            asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(xs + t * tstride + i));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(xf + (u64)t * per + i) : "memory");
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+}
+
 // ------------------------------------------------------------------------------------------------
 // The GEMV (`gemv_q4mmap`, `gemv_q4mmap_xs`, and the 3-blocks-per-SM builds `gemv_q4mmap3*`):
 // persistent stream-K, so every warp streams an equal share of the work without pause. (It
@@ -269,11 +285,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
     qm_grid_wait();                          // x from here on
-    if (XS) {
-        const u32 per = NG * 32u, n = (u32)T * per;
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
-        __syncthreads();
-    }
+    if (XS) qp_stage_x(qp_xs, xf, T, NG * 32u, tstride);
     if (i0 >= i1) return;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -391,6 +403,7 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs
 // −8·S10, 0}.
 #define QI_M 8355711  // 0x7f7f7f
 #define QI_U4 25      // uint4 per (token, group)
+#define QC_U4 25      // uint4 per (token, group), column-packed layout (gemv_q4i8c*)
 
 // q4_nl_g128 (`gemv_q4nli8p*`, NL = true): the codes are looked up as int8 levels (common.cuh:
 // one prmt pair per 4 codes) and enter mma.m16n8k32.s8.s8 signed, so no offset is folded in
@@ -400,7 +413,8 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs
 // k = 128G + 32tq + 8wd + j (+ 4): xprep packs the NL fragments in that order.
 
 // x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
-template <bool NL>
+// COLS: the column-packed layout of `gemv_q4i8c*` (see there) instead, QC_U4 uint4 per (t, G).
+template <bool NL, bool COLS = false>
 __device__ __forceinline__ void q4i8_xprep_body(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
     qm_grid_launch_dependents();
     const u64 gi = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // t·NG + G
@@ -445,6 +459,32 @@ __device__ __forceinline__ void q4i8_xprep_body(const float* __restrict__ x, uin
     for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
     // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
     // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
+    if (COLS) {
+        uint2* base2 = (uint2*)(xf + gi * QC_U4);
+        if ((lane & 1) == 0) {
+            const int tq = lane >> 3, wd = (lane >> 1) & 3;
+            u32 b0[3], b1[3];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                if (NL) {
+                    b0[p] = part[p];
+                    b1[p] = other[p];
+                } else {
+                    b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
+                    b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+                }
+            }
+            uint2* q = base2 + wd * 12 + tq;
+            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
+            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
+            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
+        }
+        if (lane == 0) {
+            base2[48] = make_uint2(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s10));
+            base2[49] = make_uint2(__float_as_uint(xs * 65536.0f), NL ? 0u : (u32)(-8 * s2));
+        }
+        return;
+    }
     uint4* base = xf + gi * QI_U4;
     if ((lane & 1) == 0) {
         const int tq = lane >> 3, wd = (lane >> 1) & 3;
@@ -562,11 +602,7 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
     qm_grid_wait();                          // x from here on
-    if (XS) {
-        const u32 n = (u32)T * per;
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) qp_xs[(i / per) * tstride + i % per] = xf[i];
-        __syncthreads();
-    }
+    if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
     if (i0 >= i1) return;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -651,4 +687,287 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1(Q4M
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(Q4MMAP_ARGS) {
     q4i8p_body<true, 4, false, true>(Q4MMAP_PASS);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Column-packed integer variant (`gemv_q4i8c*`): the codes, the A fragments, the stream-K split and
+// the register ring of `gemv_q4i8p*`, but the three bytes of x travel in the MMA's B columns
+// instead of three MMAs: at T = 1 a word costs one mma.m16n8k32 (was three) and one 8-byte B load
+// (was 24 bytes), and a 2-token pair fits one MMA too. The T = 1 kernel is issue-bound (ncu,
+// session 8: ~153 warp-instructions per 2,048-code item), so instructions are the currency.
+//
+// B columns of token pair p (tokens 2p, 2p + 1; dead tokens read token 0, never stored): column
+// 4h + c holds part c of token 2p + h: c = 0 → x1, 1 → x0, 2 → x2, 3 → x1 again (a copy: no
+// storage for a zero column). Lane (g, tq) loads the B fragment of column g, so C lane (g, tq) gets
+// columns 2tq, 2tq + 1 of rows g and g + 8:
+// even tq → (C1, C0) of token 2p + tq/2: v = 256·C1 + C0 − 8·S10 (exact int32), scale xs·d;
+// odd tq  → (C2, C1):                    v = C2 − 8·S2 (exact, |v| < 2^24),  scale 65536·xs·d.
+// One code path for both: v = C[col 2tq]·mul + C[col 2tq + 1]·mul1 + corr, (mul, mul1) = (256, 1)
+// or (1, 0) per lane, corr and the scale from the lane's metadata entry. Each lane accumulates acc = fmaf(f32(v), xs'·d, acc)
+// over its groups (ascending); a tile's output is acc_even + acc_odd of the lane pair (then the
+// stream-K partials of its warps in warp order). Per token the arithmetic depends only on its own
+// columns and lanes, so a row of a T-row call equals a 1-row call bit for bit.
+//
+// xprep layout (QC_U4 = 25 uint4 per (t, G), the size of gemv_q4i8p's), as uint2: [wd·12 + c·4 +
+// tq] = {b0, b1} of part c < 3 (the byte order of gemv_q4i8p's b0/b1), [48] = {f32 xs, −8·S10},
+// [49] = {f32 65536·xs, −8·S2} (q4_nl: corrections 0, parts s8 in its lookup order).
+#define QC_SLOT 256  // floats per scratch slot: 4 pairs × 2 rows × 32 lanes
+
+// An opaque copy of v: the compiler must keep it in a register rather than recompute it.
+__device__ __forceinline__ u32 qc_keep(u32 v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+
+// One warp's part of tile `ct` is done (see qp_tile_done): the lane pairs are added first, then the
+// tile is stored (whole tile) or its partials published and added in warp order by the last warp.
+// Even lanes store token 2p + tq/2, rows g (acc[p][0]) and g + 8 (acc[p][1]). Zeroes acc.
+template <int NP>
+__device__ __forceinline__ void qc_tile_done(float (*acc)[2], u32 ct, u32 first_tile, u32 i0, u32 i1, u32 NG,
+                                             u32 W, u32 work, u32 gw, int lane, int g, int tq, int T, u64 N,
+                                             float* __restrict__ y, float* __restrict__ scratch,
+                                             u32* __restrict__ counters) {
+    float v[NP][2];
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) v[p][i] = acc[p][i] + __shfl_xor_sync(0xffffffffu, acc[p][i], 1);
+    const u64 r0 = (u64)ct * 16 + g;
+    const bool storer = (tq & 1) == 0;
+    const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
+    if (tfirst >= i0 && tlast < i1) {
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const int t = 2 * p + (tq >> 1);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const u64 row = r0 + 8 * i;
+                if (storer && t < T && row < N) y[(u64)t * N + row] = v[p][i];
+            }
+        }
+    } else {
+        const u32 slot = ct == first_tile ? 0 : 1;
+        float* mine = scratch + ((u64)gw * 2 + slot) * QC_SLOT;
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) mine[(p * 2 + i) * 32 + lane] = v[p][i];
+        __threadfence();
+        __syncwarp();
+        const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
+        u32 prev = 0;
+        if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev == w1 - w0) {
+            // Last to arrive: add the partials in warp order.
+            __threadfence();
+            float s[NP][2];
+#pragma unroll
+            for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
+            for (u32 ow = w0; ow <= w1; ow++) {
+                const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
+                const float* q = scratch + ((u64)ow * 2 + oslot) * QC_SLOT;
+#pragma unroll
+                for (int p = 0; p < NP; p++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) s[p][i] += __ldcg(q + (p * 2 + i) * 32 + lane);
+            }
+#pragma unroll
+            for (int p = 0; p < NP; p++) {
+                const int t = 2 * p + (tq >> 1);
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const u64 row = r0 + 8 * i;
+                    if (storer && t < T && row < N) y[(u64)t * N + row] = s[p][i];
+                }
+            }
+            if (lane == 0) counters[ct] = 0u;
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
+}
+
+// NP token pairs (T ≤ 2·NP); NL: q4_nl_g128 codes (table lookup, s8 MMA).
+template <bool XS, int QP_P, int NP, bool NL>
+__device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
+                                           float* __restrict__ scratch, u32* __restrict__ counters) {
+    extern __shared__ __align__(16) uint4 qp_xs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const u32 NG = (u32)(K / 128);
+    const u64 rb = K / 2;
+    const u32 tiles = (u32)((N + 15) / 16);
+    const u32 W = gridDim.x * QM_WARPS;
+    const u32 gw = blockIdx.x * QM_WARPS + warp;
+    const u32 work = tiles * NG;
+    const u32 per = NG * QC_U4;
+    const u32 tstride = XS ? per + 1u : per;
+    const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
+    const u32 first_tile = i0 / NG;
+    const uint2* x2 = (const uint2*)(XS ? (const uint4*)qp_xs : xf);
+    // uint2 offsets (from a group's block of token 0) of this lane's B fragments and metadata, per
+    // pair. Lane constants pass through qc_keep: otherwise NVRTC recomputes them from %tid in
+    // every item (seen in the SASS).
+    u32 xoff[NP], moff[NP];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const int tb = 2 * p + (g >> 2), tm = 2 * p + (tq >> 1);
+        xoff[p] = qc_keep((u32)(tb < T ? tb : 0) * tstride * 2 + ((g & 3) == 3 ? 0 : (g & 3)) * 4 + tq);
+        moff[p] = qc_keep((u32)(tm < T ? tm : 0) * tstride * 2 + 48 + (tq & 1));
+    }
+    const int mul = (int)qc_keep((tq & 1) ? 1u : 256u);
+    const int mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
+
+    u32 lt = first_tile, lg = i0 % NG;
+    const u8* pa = w;
+    const u8* pb = w;
+    const u16* sa = (const u16*)(w + soff);
+    const u16* sb = sa;
+    auto bases = [&]() {
+        const u64 na = (u64)lt * 16 + g, nb = na + 8;
+        const u64 ra = na < N ? na : N - 1, rr = nb < N ? nb : N - 1;  // past N: re-read row N - 1
+        pa = w + ra * rb + (u64)lg * 64 + tq * 16;
+        pb = w + rr * rb + (u64)lg * 64 + tq * 16;
+        sa = (const u16*)(w + soff) + ra * NG + lg;
+        sb = (const u16*)(w + soff) + rr * NG + lg;
+    };
+    bases();
+    uint4 ca[QP_P], cb[QP_P];
+    u32 da[QP_P], db[QP_P];
+    u32 issued = i0;
+    auto load = [&](int s) {
+        if (issued < i1) {
+            ca[s] = qm_ld_stream(pa);
+            cb[s] = qm_ld_stream(pb);
+            da[s] = *sa;
+            db[s] = *sb;
+            issued++;
+            if (++lg == NG) {
+                lg = 0;
+                lt++;
+                if (issued < i1) bases();
+            } else {
+                pa += 64;
+                pb += 64;
+                sa += 1;
+                sb += 1;
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
+    qm_grid_wait();                          // x from here on
+    if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
+    if (i0 >= i1) return;
+
+    float acc[NP][2];
+#pragma unroll
+    for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
+    u32 ct = first_tile, cg = i0 % NG;
+    const uint2* xg = x2 + cg * (QC_U4 * 2);  // group cg of token 0
+    const u32 total = i1 - i0;
+    for (u32 j0 = 0; j0 < total; j0 += QP_P) {
+#pragma unroll
+        for (int s = 0; s < QP_P; s++) {
+            if (j0 + s >= total) break;
+            const uint4 va4 = ca[s], vb4 = cb[s];
+            const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
+            int c[NP][4];
+#pragma unroll
+            for (int p = 0; p < NP; p++) c[p][0] = c[p][1] = c[p][2] = c[p][3] = 0;
+#pragma unroll
+            for (int wd = 0; wd < 4; wd++) {
+                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+                u32 a0, a1, a2, a3;
+                if (NL) {
+                    a0 = q4nl_lookup4(va);
+                    a1 = q4nl_lookup4(vb);
+                    a2 = q4nl_lookup4(va >> 16);
+                    a3 = q4nl_lookup4(vb >> 16);
+                } else {
+                    a0 = va & 0x0f0f0f0fu;
+                    a1 = vb & 0x0f0f0f0fu;
+                    a2 = (va >> 4) & 0x0f0f0f0fu;
+                    a3 = (vb >> 4) & 0x0f0f0f0fu;
+                }
+#pragma unroll
+                for (int p = 0; p < NP; p++) {
+                    const uint2 b = (xg + xoff[p])[wd * 12];
+                    if (NL) {
+                        qi_mma_s8(c[p], a0, a1, a2, a3, b.x, b.y);
+                    } else {
+                        qi_mma(c[p], a0, a1, a2, a3, b.x, b.y);
+                    }
+                }
+            }
+            load(s);  // refill this stage once its codes are unpacked (see q4i8p_body)
+#pragma unroll
+            for (int p = 0; p < NP; p++) {
+                const uint2 m = *(xg + moff[p]);
+                const float xsc = __uint_as_float(m.x);
+                const int va = c[p][0] * mul + c[p][1] * mul1 + (int)m.y;
+                const int vb = c[p][2] * mul + c[p][3] * mul1 + (int)m.y;
+                acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
+                acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
+            }
+            xg += QC_U4 * 2;
+            const bool range_end = j0 + s + 1 == total;
+            if (++cg == NG || range_end) {
+                qc_tile_done<NP>(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch,
+                                 counters);
+                cg = 0;
+                xg = x2;
+                ct++;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_q4i8c_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    q4i8_xprep_body<false, true>(x, xf, T, K);
+}
+extern "C" __global__ void gemv_q4nl_i8c_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
+    q4i8_xprep_body<true, true>(x, xf, T, K);
+}
+
+// Builds: 1, 2 and 4 token pairs (T ≤ 2, 4, 8), x read from global memory or staged (`_xs`);
+// 2 blocks of 8 warps per SM, 4-stage ring (3 stages for 4 pairs reading x from global memory:
+// 4 spill). The ring depth moves loads only, never the arithmetic.
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1(Q4MMAP_ARGS) {
+    q4i8c_body<false, 4, 1, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 1, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c2(Q4MMAP_ARGS) {
+    q4i8c_body<false, 4, 2, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c2_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 2, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c4(Q4MMAP_ARGS) {
+    q4i8c_body<false, 3, 4, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c4_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 4, false>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1(Q4MMAP_ARGS) {
+    q4i8c_body<false, 4, 1, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 1, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c2(Q4MMAP_ARGS) {
+    q4i8c_body<false, 4, 2, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c2_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 2, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4(Q4MMAP_ARGS) {
+    q4i8c_body<false, 3, 4, true>(Q4MMAP_PASS);
+}
+extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(Q4MMAP_ARGS) {
+    q4i8c_body<true, 4, 4, true>(Q4MMAP_PASS);
 }

@@ -33,12 +33,16 @@ pub enum Q4Gemv {
     /// 128-group to 22 bits (power-of-two scale) in three bytes, exact int32 sums) in the same persistent
     /// stream-K kernel (`gemv_q4i8p*`, see [`super::q4mmap`]).
     Int8,
+    /// The integer tensor-core kernel with the three bytes of x packed into the MMA's B columns
+    /// (`gemv_q4i8c*`, see [`super::q4mmap`]): one mma.m16n8k32 per 32 codes of a 2-token pair
+    /// instead of three.
+    Int8Cols,
     /// The SIMT kernels of linear.cu (f32 x, f32 FMA).
     Simt,
-    /// The integer tensor-core kernel wherever its plan exists (K a multiple of 128, aligned
-    /// codes, at least 8 warps of work), the SIMT kernels elsewhere: on the H200 it is the
-    /// fastest path on every 27B shape at T = 4 (MTP verification) and at T = 1 within 2% of the
-    /// best or faster (docs/benchmarks.md, session 6). The default.
+    /// The column-packed integer tensor-core kernel wherever its plan exists (K a multiple of
+    /// 128, aligned codes, at least 8 warps of work), the SIMT kernels elsewhere: on the H200 the
+    /// fastest path on every 27B shape at T = 1 and T = 4 (docs/benchmarks.md, session 9; the
+    /// three-MMA integer kernel was the default since session 6). The default.
     Auto,
 }
 
@@ -66,6 +70,7 @@ fn selects(v: Option<&str>) -> Q4Gemv {
         Some("mmap") => Q4Gemv::MmaPersistent,
         Some("simt") => Q4Gemv::Simt,
         Some("i8") => Q4Gemv::Int8,
+        Some("i8c") => Q4Gemv::Int8Cols,
         _ => Q4Gemv::Auto,
     }
 }
@@ -76,6 +81,7 @@ fn code(p: Q4Gemv) -> u8 {
         Q4Gemv::MmaPersistent => 1,
         Q4Gemv::Auto => 2,
         Q4Gemv::Int8 => 3,
+        Q4Gemv::Int8Cols => 4,
     }
 }
 
@@ -84,6 +90,7 @@ fn from_code(c: u8) -> Q4Gemv {
         0 => Q4Gemv::Simt,
         1 => Q4Gemv::MmaPersistent,
         3 => Q4Gemv::Int8,
+        4 => Q4Gemv::Int8Cols,
         _ => Q4Gemv::Auto,
     }
 }
@@ -94,7 +101,7 @@ impl Q4Gemv {
     /// weight's shape beyond that plan.
     pub fn resolved(self) -> Q4Gemv {
         match self {
-            Q4Gemv::Auto => Q4Gemv::Int8,
+            Q4Gemv::Auto => Q4Gemv::Int8Cols,
             p => p,
         }
     }
@@ -139,18 +146,21 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// x rounded per (token, 128-group) to 22-bit integers (power-of-two scale) split into three signed bytes, in the
-    /// integer MMA fragment order of `kernel` (`gemv_q4i8_xprep` for q4_g128,
-    /// `gemv_q4nl_i8_xprep` for q4_nl_g128): 400 bytes per group and token.
+    /// x rounded per (token, 128-group) to 22-bit integers (power-of-two scale) split into three
+    /// signed bytes, in the integer MMA fragment order of `kernel` (`gemv_q4i8_xprep` for
+    /// q4_g128, `gemv_q4nl_i8_xprep` for q4_nl_g128: [`I8_XPREP_BYTES_PER_GROUP`]; the
+    /// column-packed `gemv_q4i8c_xprep` / `gemv_q4nl_i8c_xprep`: [`I8C_XPREP_BYTES_PER_GROUP`]
+    /// per group and token).
     pub(crate) fn q4_i8_xprep(
         &self,
         x: &CudaTensor,
         t: usize,
         k: usize,
         kernel: &'static str,
+        bytes_per_group: usize,
     ) -> Result<CudaTensor, OpError> {
         let groups = t * (k / 128);
-        let xf = self.tensor_uninit(&[groups, I8_XPREP_BYTES_PER_GROUP / 4])?;
+        let xf = self.tensor_uninit(&[groups, bytes_per_group / 4])?;
         // One warp per (token, group).
         let blocks = u32::try_from((groups as u64 * 32).div_ceil(XPREP_THREADS as u64))
             .map_err(|_| OpError::shape("matmul", format!("{t} x {k} activations is too many")))?;
@@ -170,6 +180,8 @@ impl CudaBackend {
 
 /// Bytes `gemv_q4i8_xprep` writes per (token, 128-group): 25 uint4 (`QI_U4`).
 pub(crate) const I8_XPREP_BYTES_PER_GROUP: usize = 25 * 16;
+/// Bytes `gemv_q4i8c_xprep` writes per (token, 128-group): 25 uint4 (`QC_U4`).
+pub(crate) const I8C_XPREP_BYTES_PER_GROUP: usize = 25 * 16;
 
 #[cfg(test)]
 mod tests {
@@ -186,11 +198,13 @@ mod tests {
         assert_eq!(selects(Some("tensor")), Q4Gemv::Auto);
         assert_eq!(selects(None), Q4Gemv::Auto);
         assert_eq!(selects(Some("I8")), Q4Gemv::Int8);
+        assert_eq!(selects(Some("i8c")), Q4Gemv::Int8Cols);
         for p in [
             Q4Gemv::Simt,
             Q4Gemv::MmaPersistent,
             Q4Gemv::Auto,
             Q4Gemv::Int8,
+            Q4Gemv::Int8Cols,
         ] {
             assert_eq!(from_code(code(p)), p);
         }
@@ -198,8 +212,13 @@ mod tests {
 
     #[test]
     fn auto_resolves_to_the_integer_kernel() {
-        assert_eq!(Q4Gemv::Auto.resolved(), Q4Gemv::Int8);
-        for p in [Q4Gemv::Simt, Q4Gemv::MmaPersistent, Q4Gemv::Int8] {
+        assert_eq!(Q4Gemv::Auto.resolved(), Q4Gemv::Int8Cols);
+        for p in [
+            Q4Gemv::Simt,
+            Q4Gemv::MmaPersistent,
+            Q4Gemv::Int8,
+            Q4Gemv::Int8Cols,
+        ] {
             assert_eq!(p.resolved(), p);
         }
     }
@@ -341,6 +360,87 @@ mod tests {
                 assert!(v.abs() < i32::MAX as i64, "u {u} x {x}: {v}");
             }
             assert_eq!(65536 * hi + lo, 128 * (u - 8) * x as i64);
+        }
+    }
+
+    /// Mirrors the column-packed kernel (`gemv_q4i8c*`) on one 16-row tile and one 128-group for
+    /// a token pair: `gemv_q4i8c_xprep`'s layout ([wd·12 + c·4 + tq] = part c < 3; token column
+    /// 4h + c reads part c, column 4h + 3 part 0 again), the lanes' A and B fragments, the
+    /// m16n8k32 product, and each lane's recombination v = C[2tq]·mul + C[2tq + 1]·mul1 + corr
+    /// (even tq: (256, 1), corr −8·S10; odd: (1, 0), corr −8·S2, weight 65536). For every row and
+    /// token the lane pair gives Σ (u − 8)·X exactly.
+    #[test]
+    fn column_packed_fragments_recombine_to_the_exact_group_sum() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        const M: i32 = 0x7f7f7f;
+        let split = |x: i32| {
+            let x0 = (x & 0xff) as u8 as i8 as i32;
+            let r = (x - x0) >> 8;
+            let x1 = (r & 0xff) as u8 as i8 as i32;
+            (x0, x1, (r - x1) >> 8)
+        };
+        let mut rng = StdRng::seed_from_u64(7);
+        for round in 0..20 {
+            let u: Vec<[i64; GROUP]> = (0..16)
+                .map(|_| std::array::from_fn(|_| rng.random_range(0..16)))
+                .collect();
+            // Two tokens; round 0 at the extremes.
+            let xs: [[i32; GROUP]; 2] = std::array::from_fn(|h| {
+                std::array::from_fn(|k| match round {
+                    0 if (k + h) % 2 == 0 => M,
+                    0 => -M,
+                    _ => rng.random_range(-M..=M),
+                })
+            });
+            // Column c of token h reads part c (0 = x1, 1 = x0, 2 = x2; column 3 part 0).
+            let part = |h: usize, c: usize, k: usize| -> i64 {
+                let (x0, x1, x2) = split(xs[h][k]);
+                [x1, x0, x2, x1][c] as i64
+            };
+            let (s2, s10): (Vec<i64>, Vec<i64>) = (0..2)
+                .map(|h| {
+                    let (mut a, mut b) = (0i64, 0i64);
+                    for &x in &xs[h] {
+                        let (x0, x1, x2) = split(x);
+                        a += x2 as i64;
+                        b += (256 * x1 + x0) as i64;
+                    }
+                    (a, b)
+                })
+                .unzip();
+            // C[row][col] summed over the four k32 steps wd. Step wd: A row r k-slot 4tq + j holds
+            // nibble 2j of lane tq's word wd (code 32tq + 8wd + 2j), slot 16 + 4tq + j nibble
+            // 2j + 1; B column col at the same slots holds (xprep) part col % 4 of token col / 4
+            // at the same codes.
+            let mut c = [[0i64; 8]; 16];
+            for wd in 0..4 {
+                for (cr, ur) in c.iter_mut().zip(&u) {
+                    for (col, cc) in cr.iter_mut().enumerate() {
+                        for slot in 0..32 {
+                            let (tq, j, odd) = ((slot % 16) / 4, slot % 4, slot >= 16);
+                            let k = 32 * tq + 8 * wd + 2 * j + usize::from(odd);
+                            *cc += ur[k] * part(col / 4, col % 4, k);
+                        }
+                    }
+                }
+            }
+            for r in 0..16 {
+                for h in 0..2 {
+                    // Lanes tq = 2h (even) and 2h + 1 (odd) of this token.
+                    let lane_v = |tq: usize| {
+                        let (mul, mul1, corr) = if tq % 2 == 0 {
+                            (256, 1, -8 * s10[h])
+                        } else {
+                            (1, 0, -8 * s2[h])
+                        };
+                        c[r][2 * tq] * mul + c[r][2 * tq + 1] * mul1 + corr
+                    };
+                    let (even, odd) = (lane_v(2 * h), lane_v(2 * h + 1));
+                    assert!(even.abs() < i32::MAX as i64 && odd.abs() < 1 << 24);
+                    let want: i64 = (0..GROUP).map(|k| (u[r][k] - 8) * xs[h][k] as i64).sum();
+                    assert_eq!(even + 65536 * odd, want, "round {round} row {r} token {h}");
+                }
+            }
         }
     }
 }

@@ -38,6 +38,11 @@ pub(crate) enum MmapKind {
     /// The integer kernel for q4_nl_g128: codes looked up as int8 levels, mma.m16n8k32.s8.s8
     /// (`gemv_q4nli8p*`, x prepared by `gemv_q4nl_i8_xprep`).
     Int8Nl,
+    /// The integer kernel with x's three bytes in the B columns of one MMA per 2-token pair
+    /// (`gemv_q4i8c*`, x prepared by `gemv_q4i8c_xprep`).
+    Int8Cols,
+    /// [`Self::Int8Cols`] for q4_nl_g128 (`gemv_q4nli8c*`, x by `gemv_q4nl_i8c_xprep`).
+    Int8ColsNl,
 }
 
 impl MmapKind {
@@ -46,6 +51,7 @@ impl MmapKind {
         match path.resolved() {
             super::q4mma::Q4Gemv::MmaPersistent => Some(MmapKind::SplitBf16),
             super::q4mma::Q4Gemv::Int8 => Some(MmapKind::Int8),
+            super::q4mma::Q4Gemv::Int8Cols => Some(MmapKind::Int8Cols),
             super::q4mma::Q4Gemv::Simt | super::q4mma::Q4Gemv::Auto => None,
         }
     }
@@ -61,6 +67,7 @@ impl MmapKind {
         match (dtype, Self::for_path(path)?) {
             (WeightDType::Q4G128, kind) => Some(kind),
             (WeightDType::Q4NlG128, MmapKind::Int8) => Some(MmapKind::Int8Nl),
+            (WeightDType::Q4NlG128, MmapKind::Int8Cols) => Some(MmapKind::Int8ColsNl),
             (WeightDType::Q4NlG128, MmapKind::SplitBf16) => Some(MmapKind::SplitBf16Nl),
             _ => None,
         }
@@ -68,7 +75,7 @@ impl MmapKind {
 }
 
 /// The staged (`_xs`) kernels, in the bit order of `Q4GemvState::xs_reserved`.
-pub(crate) const STAGED_KERNELS: [&str; 8] = [
+pub(crate) const STAGED_KERNELS: [&str; 14] = [
     "gemv_q4mmap_xs",
     "gemv_q4mmap3_xs",
     "gemv_q4i8p_xs",
@@ -77,6 +84,12 @@ pub(crate) const STAGED_KERNELS: [&str; 8] = [
     "gemv_q4nli8p1_xs",
     "gemv_q4nlmmap_xs",
     "gemv_q4nlmmap3_xs",
+    "gemv_q4i8c1_xs",
+    "gemv_q4i8c2_xs",
+    "gemv_q4i8c4_xs",
+    "gemv_q4nli8c1_xs",
+    "gemv_q4nli8c2_xs",
+    "gemv_q4nli8c4_xs",
 ];
 
 /// The kernel for `kind`, `t` tokens, `per_sm` blocks per SM and x staged or not.
@@ -98,6 +111,19 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
         (MmapKind::Int8Nl, _, 1, false) => "gemv_q4nli8p1",
         (MmapKind::Int8Nl, _, _, true) => "gemv_q4nli8p_xs",
         (MmapKind::Int8Nl, _, _, false) => "gemv_q4nli8p",
+        // Column-packed: one build per number of 2-token pairs (1, 2, 4).
+        (MmapKind::Int8Cols, _, 0..=2, true) => "gemv_q4i8c1_xs",
+        (MmapKind::Int8Cols, _, 0..=2, false) => "gemv_q4i8c1",
+        (MmapKind::Int8Cols, _, 3..=4, true) => "gemv_q4i8c2_xs",
+        (MmapKind::Int8Cols, _, 3..=4, false) => "gemv_q4i8c2",
+        (MmapKind::Int8Cols, _, _, true) => "gemv_q4i8c4_xs",
+        (MmapKind::Int8Cols, _, _, false) => "gemv_q4i8c4",
+        (MmapKind::Int8ColsNl, _, 0..=2, true) => "gemv_q4nli8c1_xs",
+        (MmapKind::Int8ColsNl, _, 0..=2, false) => "gemv_q4nli8c1",
+        (MmapKind::Int8ColsNl, _, 3..=4, true) => "gemv_q4nli8c2_xs",
+        (MmapKind::Int8ColsNl, _, 3..=4, false) => "gemv_q4nli8c2",
+        (MmapKind::Int8ColsNl, _, _, true) => "gemv_q4nli8c4_xs",
+        (MmapKind::Int8ColsNl, _, _, false) => "gemv_q4nli8c4",
     }
 }
 
@@ -106,7 +132,15 @@ fn kernel_name(kind: MmapKind, t: usize, per_sm: usize, staged: bool) -> &'stati
 fn blocks_per_sm_of(kind: MmapKind) -> usize {
     match kind {
         MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => blocks_per_sm(),
-        MmapKind::Int8 | MmapKind::Int8Nl => 2,
+        MmapKind::Int8 | MmapKind::Int8Nl | MmapKind::Int8Cols | MmapKind::Int8ColsNl => 2,
+    }
+}
+
+/// Floats of one scratch slot of `kind` (`QC_SLOT` / 128 in gemv_mma.cu).
+fn slot_floats(kind: MmapKind) -> usize {
+    match kind {
+        MmapKind::Int8Cols | MmapKind::Int8ColsNl => COLS_SLOT_FLOATS,
+        _ => SLOT_FLOATS,
     }
 }
 
@@ -127,6 +161,8 @@ const SM_SHARED_BYTES: usize = 228 * 1024;
 const STATIC_SHARED_BYTES: usize = 1024;
 /// Floats of one scratch slot: a 16-row tile's partial sums for up to 8 tokens (4 per lane).
 const SLOT_FLOATS: usize = 128;
+/// Floats of one scratch slot of the column-packed kernels: 4 pairs × 2 rows per lane (`QC_SLOT`).
+const COLS_SLOT_FLOATS: usize = 256;
 
 /// One launch of the persistent kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +225,9 @@ fn staged_x_bytes(
     let per_token = match kind {
         MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => k * 4,
         MmapKind::Int8 | MmapKind::Int8Nl => k / GROUP * super::q4mma::I8_XPREP_BYTES_PER_GROUP,
+        MmapKind::Int8Cols | MmapKind::Int8ColsNl => {
+            k / GROUP * super::q4mma::I8C_XPREP_BYTES_PER_GROUP
+        }
     };
     let bytes = t * (per_token + 16);
     (bytes <= staged_limit(max_smem_optin, per_sm)).then_some(bytes)
@@ -200,9 +239,10 @@ impl CudaBackend {
     fn mmap_buffers(
         &self,
         plan: Q4MmapPlan,
+        kind: MmapKind,
     ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
         self.stream_k_buffers(
-            plan.blocks as usize * WARPS * 2 * SLOT_FLOATS * 4,
+            plan.blocks as usize * WARPS * 2 * slot_floats(kind) * 4,
             plan.tiles * 4,
         )
     }
@@ -234,11 +274,14 @@ impl CudaBackend {
         k: usize,
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
-        let (scratch, counters) = self.mmap_buffers(plan)?;
+        let (scratch, counters) = self.mmap_buffers(plan, kind)?;
+        use super::q4mma::{I8C_XPREP_BYTES_PER_GROUP as COLS, I8_XPREP_BYTES_PER_GROUP as I8};
         let xf = match kind {
             MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => self.q4_mma_xprep(x, t, k)?,
-            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep")?,
-            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep")?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep", I8)?,
+            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep", I8)?,
+            MmapKind::Int8Cols => self.q4_i8_xprep(x, t, k, "gemv_q4i8c_xprep", COLS)?,
+            MmapKind::Int8ColsNl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8c_xprep", COLS)?,
         };
         let per_sm = blocks_per_sm_of(kind);
         let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
@@ -413,6 +456,10 @@ mod tests {
         // Integer x: 400 bytes per group (+16 per token): T = 1 fits at every 27B shape, T = 2
         // fits at K = 5120 only.
         let i8 = |t, k| staged_x_bytes(MmapKind::Int8, t, k, optin, 2);
+        // The column-packed layout is the same size.
+        for (t, k) in [(1, 5120), (2, 17408), (8, 17408)] {
+            assert_eq!(staged_x_bytes(MmapKind::Int8Cols, t, k, optin, 2), i8(t, k));
+        }
         assert_eq!(i8(1, 5120), Some(16_016));
         assert_eq!(i8(1, 17408), Some(54_416));
         assert_eq!(i8(2, 17408), Some(108_832));
@@ -427,6 +474,8 @@ mod tests {
             MmapKind::Int8,
             MmapKind::Int8Nl,
             MmapKind::SplitBf16Nl,
+            MmapKind::Int8Cols,
+            MmapKind::Int8ColsNl,
         ] {
             for t in 1..=8 {
                 for per_sm in [2, 3] {
@@ -440,6 +489,24 @@ mod tests {
         assert_eq!(kernel_name(MmapKind::Int8, 1, 2, false), "gemv_q4i8p1");
         assert_eq!(kernel_name(MmapKind::Int8, 2, 2, false), "gemv_q4i8p");
         assert_eq!(kernel_name(MmapKind::Int8Nl, 1, 2, false), "gemv_q4nli8p1");
+        // Column-packed: the build of ceil(T / 2) token pairs, rounded up to 1, 2 or 4.
+        for (t, name) in [
+            (1, "c1"),
+            (2, "c1"),
+            (3, "c2"),
+            (4, "c2"),
+            (5, "c4"),
+            (8, "c4"),
+        ] {
+            assert_eq!(
+                kernel_name(MmapKind::Int8Cols, t, 2, false),
+                format!("gemv_q4i8{name}")
+            );
+            assert_eq!(
+                kernel_name(MmapKind::Int8ColsNl, t, 2, true),
+                format!("gemv_q4nli8{name}_xs")
+            );
+        }
         for name in STAGED_KERNELS {
             assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
             assert!(
@@ -453,7 +520,7 @@ mod tests {
         let nl = WeightDType::Q4NlG128;
         assert_eq!(
             MmapKind::for_weight(Q4Gemv::Auto, nl),
-            Some(MmapKind::Int8Nl)
+            Some(MmapKind::Int8ColsNl)
         );
         assert_eq!(
             MmapKind::for_weight(Q4Gemv::Int8, nl),
@@ -464,8 +531,16 @@ mod tests {
             Some(MmapKind::SplitBf16Nl)
         );
         assert_eq!(MmapKind::for_weight(Q4Gemv::Simt, nl), None);
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Int8Cols, nl),
+            Some(MmapKind::Int8ColsNl)
+        );
         let q4 = WeightDType::Q4G128;
-        assert_eq!(MmapKind::for_weight(Q4Gemv::Auto, q4), Some(MmapKind::Int8));
+        assert_eq!(
+            MmapKind::for_weight(Q4Gemv::Auto, q4),
+            Some(MmapKind::Int8Cols)
+        );
+        assert_eq!(MmapKind::for_weight(Q4Gemv::Int8, q4), Some(MmapKind::Int8));
         assert_eq!(
             MmapKind::for_weight(Q4Gemv::MmaPersistent, q4),
             Some(MmapKind::SplitBf16)
