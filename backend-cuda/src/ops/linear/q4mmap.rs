@@ -155,6 +155,31 @@ fn blocks_per_sm() -> usize {
         }
     })
 }
+/// A/B switch: `KVSTREAM_Q4_GRID_PER_SM=1` launches one block per SM instead of the build's
+/// resident count (fewer warps, more items each, fewer shared tiles). Unset: the build's count.
+pub const Q4_GRID_PER_SM_ENV: &str = "KVSTREAM_Q4_GRID_PER_SM";
+
+/// Blocks per SM of the grid for a build that keeps `per_sm` resident (never more).
+fn grid_per_sm(per_sm: usize) -> usize {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *V.get_or_init(|| {
+        std::env::var(Q4_GRID_PER_SM_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&v| v > 0)
+    });
+    forced.map_or(per_sm, |f| f.min(per_sm))
+}
+
+/// A/B switch: `KVSTREAM_Q4_XS=0` never stages x in shared memory (the kernels read it from
+/// global memory through L1).
+pub const Q4_XS_ENV: &str = "KVSTREAM_Q4_XS";
+
+fn stage_x() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(Q4_XS_ENV).map_or(true, |v| v.trim() != "0"))
+}
+
 /// Shared memory of one SM on Hopper (the x staging is sized so the build's blocks fit).
 const SM_SHARED_BYTES: usize = 228 * 1024;
 /// Static shared memory of the kernels (none) plus the driver's per-block reservation.
@@ -256,7 +281,8 @@ impl CudaBackend {
         w_ptr: u64,
         soff: u64,
     ) -> Option<Q4MmapPlan> {
-        q4_mmap_plan(n, k, w_ptr, soff, self.sm_count, blocks_per_sm_of(kind))
+        let per_sm = blocks_per_sm_of(kind);
+        q4_mmap_plan(n, k, w_ptr, soff, self.sm_count, grid_per_sm(per_sm))
     }
 
     /// `y[t, n] = x[t, k] · w[n, k]ᵀ` on the tensor cores, persistent kernel (`t` ≤ 8).
@@ -284,7 +310,7 @@ impl CudaBackend {
             MmapKind::Int8ColsNl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8c_xprep", COLS)?,
         };
         let per_sm = blocks_per_sm_of(kind);
-        let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm);
+        let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm).filter(|_| stage_x());
         let name = kernel_name(kind, t, per_sm, staged.is_some());
         let smem = staged.unwrap_or(0);
         let f = self.func(name)?;
