@@ -212,14 +212,6 @@ __device__ __forceinline__ u32 fa_smem_addr(const void* p) {
     return r;
 }
 
-__device__ __forceinline__ void fa_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(fa_smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void fa_cp4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(fa_smem_addr(dst)), "l"(src) : "memory");
-}
-
 __device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void fa_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -258,11 +250,13 @@ __device__ __forceinline__ u32 fa_q8x2(const u8* p) {
 }
 
 // Q4_0 bytes y0 (token t) and y1 (token t+1): lo = exact f16x2 (low(y0) - 8, low(y1) - 8),
-// hi = (high(y0) - 8, high(y1) - 8), using f16(1024 + n) - 1032 == n - 8 for n in 0..15.
+// hi = (high(y0) - 8, high(y1) - 8), using f16(1024 + n) - 1032 == n - 8 and, for the high nibble
+// in place (no shift), f16(1024 + 16n) / 16 - 72 == n - 8 (one exact fma) for n in 0..15.
 __device__ __forceinline__ void fa_q4pair(u32 y0, u32 y1, u32& lo, u32& hi) {
-    const u32 p = y0 | (y1 << 16);
+    const u32 p = __byte_perm(y0, y1, 0x5410);  // y0 | y1 << 16 (y0, y1 < 256)
     lo = fa_hsub2((p & 0x000f000fu) | 0x64006400u, 0x64086408u);
-    hi = fa_hsub2(((p >> 4) & 0x000f000fu) | 0x64006400u, 0x64086408u);
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"((p & 0x00f000f0u) | 0x64006400u), "r"(0x2c002c00u),
+        "r"(0xd480d480u));
 }
 
 __device__ __forceinline__ float fa_f16(const u8* p) { return f16_to_f32(*(const u16*)p); }
@@ -277,20 +271,47 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 
 // Issues the asynchronous copy of `cnt` tokens' head rows of one plane (token t of the chunk at
 // src + t * row) into dst[t][HB], without committing. `vec` is the copy width the launcher proved
-// aligned for every address (16, 4, or 1 for plain synchronous byte copies).
-__device__ __forceinline__ void fa_issue_plane(u8* dst, const u8* src, int cnt, int HB, u64 row, int vec) {
-    if (vec == 16) {
-        const int n = HB >> 4;
-        for (int i = threadIdx.x; i < cnt * n; i += FA_THREADS) {
-            int t = i / n, p = i - t * n;
-            fa_cp16(dst + t * HB + p * 16, src + t * row + p * 16);
+// aligned for every address (16, 4, or 1 for plain synchronous byte copies). The 16- and 4-byte
+// paths walk their copies incrementally: copy i of the plane is (token i / N, part i % N) with
+// N = HB / vec parts per row, and each thread's next copy (i + FA_THREADS) is a fixed step away, so
+// a copy costs an add, a compare and the cp.async (no division or 64-bit multiply per copy).
+template <int HB, int VEC>
+__device__ __forceinline__ void fa_issue_vec(u8* dst, const u8* src, int cnt, u64 row) {
+    constexpr int N = HB / VEC;
+    constexpr int DT = FA_THREADS / N, DP = FA_THREADS % N;
+    const int total = cnt * N;
+    int i = threadIdx.x;
+    int p = i % N;
+    const u8* s = src + (u64)(i / N) * row + p * VEC;
+    const u64 step = (u64)DT * row + DP * VEC;
+    const u64 wrap = row - (u64)N * VEC;
+    u32 d = fa_smem_addr(dst) + i * VEC;
+    for (; i < total; i += FA_THREADS) {
+        if constexpr (VEC == 16) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(s) : "memory");
+        } else {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(s) : "memory");
         }
-    } else if (vec == 4) {
-        const int n = HB >> 2;
-        for (int i = threadIdx.x; i < cnt * n; i += FA_THREADS) {
-            int t = i / n, p = i - t * n;
-            fa_cp4(dst + t * HB + p * 4, src + t * row + p * 4);
+        d += FA_THREADS * VEC;
+        s += step;
+        p += DP;
+        if (p >= N) {
+            p -= N;
+            s += wrap;
         }
+    }
+}
+
+template <int HB>
+__device__ __forceinline__ void fa_issue_plane(u8* dst, const u8* src, int cnt, u64 row, int vec) {
+    if constexpr (HB % 16 == 0) {
+        if (vec == 16) {
+            fa_issue_vec<HB, 16>(dst, src, cnt, row);
+            return;
+        }
+    }
+    if (vec >= 4) {
+        fa_issue_vec<HB, 4>(dst, src, cnt, row);
     } else {
         for (int i = threadIdx.x; i < cnt * HB; i += FA_THREADS) {
             int t = i / HB, p = i - t * HB;
@@ -363,25 +384,29 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     // Chunk source addresses. A 64-aligned chunk lies inside one page (pages hold a power of two
     // >= 64 tokens and span_first is a page boundary).
     const u8* base = pool + span_offset;
+    // Pages hold a power of two tokens (the geometry's invariant): page = rel >> tpp_log2.
+    const int tpp_log2 = __ffs(geo.tpp) - 1;
     // Chunk ci's page offset and token count.
     auto where = [&](int ci, int& cnt) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
         cnt = min(FA_CHUNK, end - c0);
         const int rel = c0 - span_first;
-        return base + (u64)(rel / geo.tpp) * geo.page_bytes;
+        return base + (u64)(rel >> tpp_log2) * geo.page_bytes;
     };
-    auto slot_of = [&](int ci) { return (u64)(((cfirst + ci * n_splits) * FA_CHUNK - span_first) % geo.tpp); };
+    auto slot_of = [&](int ci) {
+        return (u64)(((cfirst + ci * n_splits) * FA_CHUNK - span_first) & (geo.tpp - 1));
+    };
     auto issue_k = [&](int ci) {  // into K buffer ci & 1
         int cnt;
         const u8* pg = where(ci, cnt);
-        fa_issue_plane(kbuf + (ci & 1) * FA_CHUNK * KHB, pg + slot_of(ci) * geo.k_row_bytes + (u64)kvh * KHB, cnt,
-                       KHB, geo.k_row_bytes, vec);
+        fa_issue_plane<KHB>(kbuf + (ci & 1) * FA_CHUNK * KHB, pg + slot_of(ci) * geo.k_row_bytes + (u64)kvh * KHB,
+                            cnt, geo.k_row_bytes, vec);
     };
     auto issue_v = [&](int ci) {  // into the V buffer
         int cnt;
         const u8* pg = where(ci, cnt);
-        fa_issue_plane(vbuf, pg + geo.v_plane_off + slot_of(ci) * geo.v_row_bytes + (u64)kvh * VHB, cnt, VHB,
-                       geo.v_row_bytes, vec);
+        fa_issue_plane<VHB>(vbuf, pg + geo.v_plane_off + slot_of(ci) * geo.v_row_bytes + (u64)kvh * VHB, cnt,
+                            geo.v_row_bytes, vec);
     };
     issue_k(0);
     issue_v(0);
@@ -441,6 +466,17 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     }
 
     const int lim0 = geo.total - W;  // query qi sees tokens <= lim0 + qi
+    // Per-thread score rows r = nt*8 + 2tq + j (j = 0, 1): row r may see token c0 + t iff
+    // c0 + t <= slim (its causal bound and the span's end; -1 for padding rows).
+    int slim[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int r = nt * 8 + 2 * tq + j;
+            slim[nt][j] = r < R ? min(lim0 + q0 + r / G, end - 1) : -1;
+        }
+    }
     for (int ci = 0; ci < nchunks; ci++) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
         const int cnt = min(FA_CHUNK, end - c0);
@@ -505,8 +541,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 for (int i = 0; i < 4; i++) {
                     const int r = nt * 8 + 2 * tq + (i & 1);
                     const int t = (i >> 1) ? tB : tA;
-                    const bool ok = r < R && t < cnt && c0 + t <= lim0 + q0 + r / G;
-                    sS[r * FA_SROW + t] = ok ? sacc[nt][i] : NEG_INF;
+                    sS[r * FA_SROW + t] = c0 + t <= slim[nt][i & 1] ? sacc[nt][i] : NEG_INF;
                 }
             }
         }
@@ -665,8 +700,9 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
 // registers it needs (a single kernel switching over all twelve took the worst case, 255, for
 // every instance: 2 blocks per SM). `nt` = ceil(group * qt / 8) in 1..=4 query n-tiles; `qt`
 // queries per tile (grid z = ceil(width / qt); qt = width for decode and verification).
-// Instances with nt <= 3 are built for 3 blocks per SM (<= 168 registers, no spills with NVRTC
-// 13.0 for sm_90); nt = 4 keeps 2 (capping it spills).
+// Instances with nt <= 3 are built for 3 blocks per SM (<= 168 registers with NVRTC 13.0 for
+// sm_90; n2_d256 and n3_d256 keep 16 / 24 bytes of spill: four local loads per chunk, in the copy
+// issue, none in the MMA loops); nt = 4 keeps 2 (capping it spills in the MMA loops).
 #define FA_PARAMS                                                                                        \
     const float *q, const u8 *pool, float *state, AttnGeo geo, u64 span_offset, int span_first, int span_count, \
         int n_splits, int vec, int qt
