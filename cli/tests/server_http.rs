@@ -161,7 +161,19 @@ fn sse_framing_errors_queue_limit_and_cancellation() {
         .expect("status line");
     assert!(first.contains("200"), "{first}");
     let queued = send(port, "POST", "/v1/completions", long).expect("queued");
-    std::thread::sleep(Duration::from_millis(300));
+    // Wait until the server has queued it (a fixed sleep flaked under heavy parallel load).
+    let t = Instant::now();
+    loop {
+        let (_, metrics) = request(port, "GET", "/metrics", "").expect("metrics");
+        if metrics.contains("kvstream_queue_depth 1") {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "second request never queued: {metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let (status, body) = request(
         port,
         "POST",
