@@ -17,13 +17,7 @@ for z in "$D"/*.xz; do [ -e "$z" ] && xz -df "$z" && chmod +x "${z%.xz}"; done
 export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels RUST_BACKTRACE=1
 . scripts/cublas-path.sh
 S="$OUT/summary.txt"
-step() { # name timeout cmd...
-  local name=$1 t=$2
-  shift 2
-  local t0=$SECONDS
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$S"
-}
+. scripts/device-step.sh
 export KVSTREAM_BENCH_SKIP_GEMV=1 KVSTREAM_BENCH_SKIP_GEMM=1
 step attention 90 "$D/test-attention" --include-ignored --test-threads=1
 grep -hE "test result|panicked" "$OUT/attention.log" | head -4

@@ -31,14 +31,7 @@ export RUST_BACKTRACE=1
 # libcublas (pip wheel) on LD_LIBRARY_PATH for the cuBLAS prefill GEMM.
 . scripts/cublas-path.sh
 S="$OUT/summary.txt"
-step() { # name timeout cmd...
-  local name=$1 t=$2
-  shift 2
-  local t0=$SECONDS
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc ${SECONDS}s total ($((SECONDS - t0))s)" | tee -a "$S"
-}
+. scripts/device-step.sh
 nvidia-smi -L >"$OUT/device.txt" 2>&1
 BENCH=("$D/kvstream" bench --backend cuda --synthetic qwen3.8-27b --kv-arena 2240MiB
   --cache-type-k q8_0 --cache-type-v q4_0 --decode-tokens 4 --reps 2 --quiet)
