@@ -4,15 +4,18 @@
 #   CARGO_TARGET_DIR=target bash scripts/gpu-test.sh
 #   cargo build --release -p kvstream-cli --features cuda && strip -o .device-bin/kvstream target/release/kvstream
 #   bash scripts/gpu-test.sh --pack
-# Then there:  OUT=$OUT [AB_DEFINES=NAME=VAL,...] bash scripts/gpu-attn-profile.sh
-# Steps: the attention suite (default build, and the AB_DEFINES build when given), cuda_bench's
-# attention rows for both builds, ncu on one width-1 launch of the tensor-core kernel (stall
-# reasons per issued instruction, instruction count, and per-SASS-instruction source counters as
-# $OUT/att-sass.csv.xz), racecheck on the attention suite, the engine check.
+# Then there:  OUT=$OUT [AB_DEFINES='NAME=VAL,...;NAME=VAL'] [BASE_BENCH=.device-bin/cuda_bench_base] \
+#   bash scripts/gpu-attn-profile.sh
+# Steps: the attention suite (default build, and each AB_DEFINES variant), cuda_bench's
+# attention rows for each (and for BASE_BENCH, another commit's cuda_bench, when given), ncu on
+# one width-1 launch of the tensor-core kernel (stall reasons per issued instruction, instruction
+# count, and per-SASS-instruction source counters as $OUT/att-sass.csv.xz), racecheck on the
+# streamed-equals-resident test (the whole suite under racecheck takes > 120 s on an H100), the
+# engine check.
 set -u
 D=.device-bin
 OUT=${OUT:-/tmp/kvstream-attn}
-mkdir -p "$OUT/bench" "$OUT/bench-ab" "$OUT/ncu"
+mkdir -p "$OUT/bench" "$OUT/ncu"
 for z in "$D"/*.xz; do [ -e "$z" ] && xz -df "$z" && chmod +x "${z%.xz}"; done
 export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels RUST_BACKTRACE=1
 . scripts/cublas-path.sh
@@ -23,11 +26,28 @@ step attention 90 "$D/test-attention" --include-ignored --test-threads=1
 grep -hE "test result|panicked" "$OUT/attention.log" | head -4
 step bench 60 "$D/cuda_bench" "$OUT/bench"
 grep -h "attention\|hbm_read" "$OUT/bench.log"
-if [ -n "${AB_DEFINES:-}" ]; then
-  step attention-ab 90 env KVSTREAM_NVRTC_DEFINES="$AB_DEFINES" "$D/test-attention" --include-ignored --test-threads=1
-  grep -hE "test result|panicked" "$OUT/attention-ab.log" | head -4
-  step bench-ab 60 env KVSTREAM_NVRTC_DEFINES="$AB_DEFINES" "$D/cuda_bench" "$OUT/bench-ab"
-  grep -h "attention" "$OUT/bench-ab.log"
+# AB_DEFINES: one or more variants separated by ';' (each a KVSTREAM_NVRTC_DEFINES value, e.g.
+# "FA_K_BURST=1;FA_COPY_WALK=1"); each gets the attention suite and the attention bench rows.
+# BASE_BENCH: optionally a second cuda_bench binary (another commit's build) timed alongside.
+ab=0
+IFS=';' read -r -a variants <<<"${AB_DEFINES:-}"
+for v in "${variants[@]}"; do
+  [ -n "$v" ] || continue
+  ab=$((ab + 1))
+  mkdir -p "$OUT/bench-ab$ab"
+  echo "variant ab$ab: $v" | tee -a "$S"
+  step attention-ab$ab 90 env KVSTREAM_NVRTC_DEFINES="$v" "$D/test-attention" --include-ignored --test-threads=1
+  grep -hE "test result|panicked" "$OUT/attention-ab$ab.log" | head -4
+  step bench-ab$ab 60 env KVSTREAM_NVRTC_DEFINES="$v" "$D/cuda_bench" "$OUT/bench-ab$ab"
+  grep -h "attention" "$OUT/bench-ab$ab.log"
+done
+if [ -n "${BASE_BENCH:-}" ]; then
+  mkdir -p "$OUT/bench-base"
+  chmod +x "$BASE_BENCH"
+  step bench-base 60 "$BASE_BENCH" "$OUT/bench-base"
+  grep -h "attention" "$OUT/bench-base.log"
+  step bench-again 60 "$D/cuda_bench" "$OUT/bench"
+  grep -h "accumulate kernel in a graph" "$OUT/bench-again.log"
 fi
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 step ncu 120 "$NCU" --clock-control none --section WarpStateStats --section SchedulerStats \
@@ -52,7 +72,7 @@ wc -l "$OUT/att-sass.csv"
 xz -9 -f "$OUT/att-sass.csv"
 rm -f "$OUT/att.ncu-rep"
 step racecheck 120 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 99 \
-  "$D/test-attention" --include-ignored --test-threads=1
+  "$D/test-attention" --include-ignored --test-threads=1 fast_decode_kernel_streamed_equals_resident_bit_for_bit
 grep -hE "RACECHECK SUMMARY|ERROR SUMMARY|test result" "$OUT/racecheck.log" | head -4
 step engine 150 env KVSTREAM_BIN=$D/kvstream OUT="$OUT/engine" bash scripts/gpu-engine-check.sh
 grep -hE "^FAIL|passed|failed" "$OUT/engine.log" | tail -8
