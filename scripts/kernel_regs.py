@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Register (and spill) counts of kvstream CUDA kernels, without a GPU.
 
-Usage: python3 scripts/kernel_regs.py [--arch sm_90] [--lib libnvrtc.so.13] [--src DIR] [REGEX]
+Usage: python3 scripts/kernel_regs.py [--arch sm_90] [--lib libnvrtc.so.13] [--src DIR]
+       [--define NAME[=VAL]]... [--nvdisasm PATH] [--cubin-dir DIR] [REGEX]
 
 Compiles each module like scripts/check_kernels.py (common.cuh + <module>.cu, the same options)
 but to a cubin for a real architecture, and reads every kernel's register count from the
 cubin's `.nv.info` records (EIATTR_REGCOUNT). `--src DIR` reads the .cu files from another
 checkout (A/B of two trees). Prints `kernel regs frame` for the kernels matching REGEX (default: all); a frame > 0 means
-spills or local arrays.
+spills or local arrays. `--define` adds a -D option (the A/B switches that
+KVSTREAM_NVRTC_DEFINES sets at run time). `--nvdisasm PATH` (from the nvidia-cuda-nvdisasm wheel)
+also prints each kernel's SASS instruction, tensor-core MMA (HMMA/IMMA) and barrier counts: an
+MMA count above the source's means the compiler duplicated MMA blocks into branches, which hangs
+when lanes of one warp take different copies (session 11: the fused-softmax attention kernel).
 """
 import argparse
 import ctypes
@@ -15,7 +20,9 @@ import glob
 import os
 import re
 import struct
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import check_kernels  # noqa: E402
@@ -67,12 +74,36 @@ def elf_regs(cubin):
     return out
 
 
+def sass_counts(nvdisasm, cubin):
+    """kernel name -> (instructions, MMA instructions, barriers), from `nvdisasm -c`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*\.text\.(\w+):", line)
+        if m:
+            cur = m.group(1)
+            out[cur] = [0, 0, 0]
+            continue
+        if cur is None or not re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line):
+            continue
+        c = out[cur]
+        c[0] += 1
+        c[1] += bool(re.search(r"\b[HI]MMA\.", line))
+        c[2] += "BAR.SYNC" in line
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--lib", default=None)
     ap.add_argument("--src", default=check_kernels.CU_DIR)
     ap.add_argument("--cubin-dir", default=None, help="also write each matching module's cubin there (for nvdisasm)")
+    ap.add_argument("--define", action="append", default=[], help="NAME[=VAL]: an extra -D option (repeatable)")
+    ap.add_argument("--nvdisasm", default=None, help="nvdisasm binary: also print SASS, MMA and barrier counts")
     ap.add_argument("pattern", nargs="?", default=".")
     args = ap.parse_args()
     path = check_kernels.find_nvrtc(args.lib)
@@ -93,6 +124,7 @@ def main():
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), (name + ".cu").encode(), 0, None, None)
         opts = [f"--gpu-architecture={args.arch}".encode()] + [o.encode() for o in check_kernels.OPTIONS]
+        opts += [f"-D{d}".encode() for d in args.define]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         if lib.nvrtcCompileProgram(prog, len(opts), arr) != 0:
             print(f"{name}: compile error", file=sys.stderr)
@@ -106,9 +138,14 @@ def main():
             os.makedirs(args.cubin_dir, exist_ok=True)
             with open(os.path.join(args.cubin_dir, name + ".cubin"), "wb") as f:
                 f.write(buf.raw)
+        sass = sass_counts(args.nvdisasm, buf.raw) if args.nvdisasm else {}
         for k, (r, frame) in sorted(elf_regs(buf.raw).items()):
             if pat.search(k):
-                print(f"{k:<28} {r:>4} regs {frame:>6} B frame")
+                extra = ""
+                if k in sass:
+                    n, mma, bar = sass[k]
+                    extra = f" {n:>6} SASS {mma:>4} MMA {bar:>3} BAR"
+                print(f"{k:<28} {r:>4} regs {frame:>6} B frame{extra}")
     return 0
 
 
