@@ -22,24 +22,30 @@ export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels RUST_BACKTRACE=1
 S="$OUT/summary.txt"
 . scripts/device-step.sh
 export KVSTREAM_BENCH_SKIP_GEMV=1 KVSTREAM_BENCH_SKIP_GEMM=1
-step attention 90 "$D/test-attention" --include-ignored --test-threads=1
-grep -hE "test result|panicked" "$OUT/attention.log" | head -4
-step bench 60 "$D/cuda_bench" "$OUT/bench"
-grep -h "attention\|hbm_read" "$OUT/bench.log"
+# variant TAG DEFINES: the attention suite and cuda_bench's attention rows of one build (DEFINES =
+# a KVSTREAM_NVRTC_DEFINES value; empty = the default build); logs $OUT/attentionTAG.log and
+# $OUT/benchTAG.log.
+variant() {
+  local tag=$1 defs=$2
+  local envs=(env -u KVSTREAM_NVRTC_DEFINES)
+  [ -n "$defs" ] && envs=(env KVSTREAM_NVRTC_DEFINES="$defs")
+  mkdir -p "$OUT/bench$tag"
+  step attention$tag 90 "${envs[@]}" "$D/test-attention" --include-ignored --test-threads=1
+  grep -hE "test result|panicked" "$OUT/attention$tag.log" | head -4
+  step bench$tag 60 "${envs[@]}" "$D/cuda_bench" "$OUT/bench$tag"
+  grep -h "attention\|hbm_read" "$OUT/bench$tag.log"
+}
+variant "" ""
 # AB_DEFINES: one or more variants separated by ';' (each a KVSTREAM_NVRTC_DEFINES value, e.g.
-# "FA_K_BURST=1;FA_COPY_WALK=1"); each gets the attention suite and the attention bench rows.
-# BASE_BENCH: optionally a second cuda_bench binary (another commit's build) timed alongside.
+# "FA_K_BURST=1;FA_COPY_WALK=1"). BASE_BENCH: optionally a second cuda_bench binary (another
+# commit's build) timed alongside.
 ab=0
 IFS=';' read -r -a variants <<<"${AB_DEFINES:-}"
 for v in "${variants[@]}"; do
   [ -n "$v" ] || continue
   ab=$((ab + 1))
-  mkdir -p "$OUT/bench-ab$ab"
-  echo "variant ab$ab: $v" | tee -a "$S"
-  step attention-ab$ab 90 env KVSTREAM_NVRTC_DEFINES="$v" "$D/test-attention" --include-ignored --test-threads=1
-  grep -hE "test result|panicked" "$OUT/attention-ab$ab.log" | head -4
-  step bench-ab$ab 60 env KVSTREAM_NVRTC_DEFINES="$v" "$D/cuda_bench" "$OUT/bench-ab$ab"
-  grep -h "attention" "$OUT/bench-ab$ab.log"
+  echo "variant -ab$ab: $v" | tee -a "$S"
+  variant "-ab$ab" "$v"
 done
 if [ -n "${BASE_BENCH:-}" ]; then
   mkdir -p "$OUT/bench-base"
