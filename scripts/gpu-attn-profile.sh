@@ -5,7 +5,7 @@
 #   cargo build --release -p kvstream-cli --features cuda && strip -o .device-bin/kvstream target/release/kvstream
 #   bash scripts/gpu-test.sh --pack
 # Then there:  OUT=$OUT [AB_DEFINES='NAME=VAL,...;NAME=VAL'] [BASE_BENCH=.device-bin/cuda_bench_base] \
-#   bash scripts/gpu-attn-profile.sh
+#   [AB_ONLY=1] bash scripts/gpu-attn-profile.sh
 # Steps: the attention suite (default build, and each AB_DEFINES variant), cuda_bench's
 # attention rows for each (and for BASE_BENCH, another commit's cuda_bench, when given), ncu on
 # one width-1 launch of the tensor-core kernel (stall reasons per issued instruction, instruction
@@ -33,7 +33,8 @@ variant() {
   step attention$tag 90 "${envs[@]}" "$D/test-attention" --include-ignored --test-threads=1
   grep -hE "test result|panicked" "$OUT/attention$tag.log" | head -4
   step bench$tag 60 "${envs[@]}" "$D/cuda_bench" "$OUT/bench$tag"
-  grep -h "attention\|hbm_read" "$OUT/bench$tag.log"
+  # Into the summary too: a device call returns at most 8 files, so every number is in summary.txt.
+  grep -h "in a graph\|hbm_read" "$OUT/bench$tag.log" | sed "s/^/  bench$tag: /" | tee -a "$S"
 }
 variant "" ""
 # AB_DEFINES: one or more variants separated by ';' (each a KVSTREAM_NVRTC_DEFINES value, e.g.
@@ -51,9 +52,14 @@ if [ -n "${BASE_BENCH:-}" ]; then
   mkdir -p "$OUT/bench-base"
   chmod +x "$BASE_BENCH"
   step bench-base 60 "$BASE_BENCH" "$OUT/bench-base"
-  grep -h "attention" "$OUT/bench-base.log"
+  grep -h "in a graph" "$OUT/bench-base.log" | sed "s/^/  bench-base: /" | tee -a "$S"
   step bench-again 60 "$D/cuda_bench" "$OUT/bench"
-  grep -h "accumulate kernel in a graph" "$OUT/bench-again.log"
+  grep -h "accumulate kernel in a graph" "$OUT/bench-again.log" | sed "s/^/  bench-again: /" | tee -a "$S"
+fi
+# AB_ONLY=1: the suites and timings above only (no ncu, racecheck or engine check).
+if [ -n "${AB_ONLY:-}" ]; then
+  cat "$S"
+  exit 0
 fi
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 step ncu 120 "$NCU" --clock-control none --section WarpStateStats --section SchedulerStats \
