@@ -553,11 +553,9 @@ fn main() -> Result<(), Box<dyn Error>> {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let qt = b.tensor_from_f32(&q, &[width, 24, 256])?;
-        let path = if b.attention_uses_fast_path(&shape, &g) {
-            b.fast_attention_kernel(256)
-        } else {
-            "generic kernel"
-        };
+        let path = b
+            .fast_attention_kernel(&shape, &g)
+            .unwrap_or("generic kernel");
         let secs = time(&b, 100, || {
             let mut acc = attention_begin(&b, shape)?;
             attention_accumulate(&b, &mut acc, &qt, &pool, &plan)?;

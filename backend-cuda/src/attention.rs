@@ -344,10 +344,18 @@ impl CudaBackend {
         self.fast_kernel(shape.head_dim).1
     }
 
-    /// The tensor-core attention instance a width-1 evaluation of `head_dim` runs (the one the
-    /// split target is sized for).
-    pub fn fast_attention_kernel(&self, head_dim: usize) -> &'static str {
-        self.fast_kernel(head_dim).0
+    /// The tensor-core attention instance an evaluation of `shape` over pages of geometry `g`
+    /// runs (`attn_q8q4_n{nt}_d{head_dim}`), or `None` when it takes the generic kernel.
+    pub fn fast_attention_kernel(
+        &self,
+        shape: &AttentionShape,
+        g: &PageGeometry,
+    ) -> Option<&'static str> {
+        if force_generic() {
+            return None;
+        }
+        let cfg = fast_cfg(shape, g, self.max_smem_optin)?;
+        fast_kernel_name(cfg.nt, shape.head_dim)
     }
 
     /// The width-1 instance of the fast kernel for `head_dim` and one full wave of it in blocks
