@@ -408,7 +408,7 @@ impl CudaBackend {
         shape: &AttentionShape,
         geometry: &PageGeometry,
     ) -> bool {
-        !force_generic() && fast_cfg(shape, geometry, self.max_smem_optin).is_some()
+        self.fast_attention_kernel(shape, geometry).is_some()
     }
 
     fn attn_geo(shape: &AttentionShape, g: &PageGeometry) -> AttnGeo {
