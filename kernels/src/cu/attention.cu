@@ -252,11 +252,25 @@ __device__ __forceinline__ u32 fa_q8x2(const u8* p) {
 // Q4_0 bytes y0 (token t) and y1 (token t+1): lo = exact f16x2 (low(y0) - 8, low(y1) - 8),
 // hi = (high(y0) - 8, high(y1) - 8), using f16(1024 + n) - 1032 == n - 8 and, for the high nibble
 // in place (no shift), f16(1024 + 16n) / 16 - 72 == n - 8 (one exact fma) for n in 0..15.
-__device__ __forceinline__ void fa_q4pair(u32 y0, u32 y1, u32& lo, u32& hi) {
-    const u32 p = __byte_perm(y0, y1, 0x5410);  // y0 | y1 << 16 (y0, y1 < 256)
+__device__ __forceinline__ void fa_q4p(u32 p, u32& lo, u32& hi) {
     lo = fa_hsub2((p & 0x000f000fu) | 0x64006400u, 0x64086408u);
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"((p & 0x00f000f0u) | 0x64006400u), "r"(0x2c002c00u),
         "r"(0xd480d480u));
+}
+// Byte 0 of y0 and of y1 (bytes 0 and 2 of the perm; the others are ignored).
+__device__ __forceinline__ void fa_q4pair(u32 y0, u32 y1, u32& lo, u32& hi) {
+    fa_q4p(__byte_perm(y0, y1, 0x5410), lo, hi);
+}
+// Byte 1 of y0 and of y1.
+__device__ __forceinline__ void fa_q4pair_b1(u32 y0, u32 y1, u32& lo, u32& hi) {
+    fa_q4p(__byte_perm(y0, y1, 0x7531), lo, hi);
+}
+
+// 2^x (MUFU.EX2; results below 2^-126 flush to 0, exp2f's denormal handling is not needed here).
+__device__ __forceinline__ float fa_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
 }
 
 __device__ __forceinline__ float fa_f16(const u8* p) { return f16_to_f32(*(const u16*)p); }
@@ -276,7 +290,7 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 // N = HB / vec parts per row, and each thread's next copy (i + FA_THREADS) is a fixed step away, so
 // a copy costs an add, a compare and the cp.async (no division or 64-bit multiply per copy).
 template <int HB, int VEC>
-__device__ __forceinline__ void fa_issue_vec(u8* dst, const u8* src, int cnt, u64 row) {
+__device__ __forceinline__ void fa_issue_walk(u8* dst, const u8* src, int cnt, u64 row) {
     constexpr int N = HB / VEC;
     constexpr int DT = FA_THREADS / N, DP = FA_THREADS % N;
     const int total = cnt * N;
@@ -306,17 +320,17 @@ template <int HB>
 __device__ __forceinline__ void fa_issue_plane(u8* dst, const u8* src, int cnt, u64 row, int vec) {
     if constexpr (HB % 16 == 0) {
         if (vec == 16) {
-            fa_issue_vec<HB, 16>(dst, src, cnt, row);
+            fa_issue_walk<HB, 16>(dst, src, cnt, row);
             return;
         }
     }
     if (vec >= 4) {
-        fa_issue_vec<HB, 4>(dst, src, cnt, row);
-    } else {
-        for (int i = threadIdx.x; i < cnt * HB; i += FA_THREADS) {
-            int t = i / HB, p = i - t * HB;
-            dst[i] = src[t * row + p];
-        }
+        fa_issue_walk<HB, 4>(dst, src, cnt, row);
+        return;
+    }
+    for (int i = threadIdx.x; i < cnt * HB; i += FA_THREADS) {  // synchronous byte copies
+        int t = i / HB, p = i - t * HB;
+        dst[i] = src[t * row + p];
     }
 }
 
@@ -411,33 +425,59 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     issue_k(0);
     issue_v(0);
     fa_commit();
+    {
+        // V rows past a partial first chunk are read (with p = 0) but never copied: zero them so
+        // their scales are finite (uninitialised shared memory may hold NaN). Disjoint from the
+        // rows in flight; later chunks leave the previous chunk's (finite) rows there.
+        int cnt0;
+        (void)where(0, cnt0);
+        for (int e = cnt0 * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+    }
 
+    // Row r's state record (m, l, then D accumulator values) and query vector: one integer
+    // division each, so callers compute them once per row rather than per element.
+    auto state_row = [&](int r) {
+        return state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+    };
     // Query fragments (B operand of QK, k = dim, n = row): entry (ks, nt, lane) holds rows
     // nt*8 + lane/4, dims ks*16 + 2*(lane%4) + {0, 1, 8, 9}, as {hi(0,1), hi(8,9), lo(0,1), lo(8,9)}.
-    for (int e = tid; e < KS * NT * 32; e += FA_THREADS) {
-        const int ln = e & 31, idx = e >> 5;
-        const int nt = idx % NT, kstep = idx / NT;
-        const int r = nt * 8 + (ln >> 2);
-        const int d = kstep * 16 + (ln & 3) * 2;
-        float x0 = 0.0f, x1 = 0.0f, x8 = 0.0f, x9 = 0.0f;
-        if (r < R) {
-            const float* qr = q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D;
-            x0 = qr[d] * geo.scale_log2;
-            x1 = qr[d + 1] * geo.scale_log2;
-            x8 = qr[d + 8] * geo.scale_log2;
-            x9 = qr[d + 9] * geo.scale_log2;
+    // A thread's entries e = tid + FA_THREADS*i keep lane e & 31 = lane, so its NT query rows
+    // nt*8 + lane/4 are fixed: their pointers (null for padding rows) are taken once.
+    {
+        const float* qrow[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int r = nt * 8 + g;
+            qrow[nt] = r < R ? q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D : nullptr;
         }
-        u32 h0, l0, h1, l1;
-        fa_split(x0, x1, h0, l0);
-        fa_split(x8, x9, h1, l1);
-        qf[e] = make_uint4(h0, h1, l0, l1);
+        static_assert(KS * NT * 32 % FA_THREADS == 0, "whole query-fragment passes");
+#pragma unroll
+        for (int i = 0; i < KS * NT * 32 / FA_THREADS; i++) {
+            const int e = tid + FA_THREADS * i, idx = e >> 5;
+            const int nt = idx % NT, kstep = idx / NT;
+            const int d = kstep * 16 + tq * 2;
+            float x0 = 0.0f, x1 = 0.0f, x8 = 0.0f, x9 = 0.0f;
+            const float* qr = qrow[0];
+#pragma unroll
+            for (int n = 1; n < NT; n++) qr = nt == n ? qrow[n] : qr;
+            if (qr != nullptr) {
+                x0 = qr[d] * geo.scale_log2;
+                x1 = qr[d + 1] * geo.scale_log2;
+                x8 = qr[d + 8] * geo.scale_log2;
+                x9 = qr[d + 9] * geo.scale_log2;
+            }
+            u32 h0, l0, h1, l1;
+            fa_split(x0, x1, h0, l0);
+            fa_split(x8, x9, h1, l1);
+            qf[e] = make_uint4(h0, h1, l0, l1);
+        }
     }
     // Row state: m, l in shared memory; alpha defaults to 1 (padding rows are never read out).
     if (tid < FA_ROWS) {
         const int r = tid;
         float m = NEG_INF, l = 0.0f;
         if (r < R && !fresh) {
-            const float* st = state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+            const float* st = state_row(r);
             m = st[0];
             l = st[1];
         }
@@ -446,21 +486,20 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         sA[r] = 1.0f;
     }
     // Accumulators in the MMA C layout of O^T (m = dim, n = row): acc[mt][nt][0..3] =
-    // (dim d0+g, row nt*8+2tq), (d0+g, +1), (d0+g+8, nt*8+2tq), (d0+g+8, +1), d0 = w*DW + mt*16.
+    // (dim d0+2g, row nt*8+2tq), (d0+2g, +1), (d0+2g+1, nt*8+2tq), (d0+2g+1, +1), d0 = w*DW + mt*16
+    // (MMA rows g and g+8 are dims 2g and 2g+1: see the V fragments in phase 3).
     float acc[MT][NT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int j = 0; j < 2; j++) {
+            const int r = nt * 8 + 2 * tq + j;
+            const float* st = (!fresh && r < R) ? state_row(r) + 2 + w * DW + 2 * g : nullptr;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int d = w * DW + mt * 16 + g + (i >> 1) * 8;
-                const int r = nt * 8 + 2 * tq + (i & 1);
-                float v = 0.0f;
-                if (!fresh && r < R) {
-                    v = state[(((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d];
-                }
-                acc[mt][nt][i] = v;
+            for (int mt = 0; mt < MT; mt++) {
+                const float2 v = st != nullptr ? *(const float2*)(st + mt * 16) : make_float2(0.0f, 0.0f);
+                acc[mt][nt][j] = v.x;
+                acc[mt][nt][2 + j] = v.y;
             }
         }
     }
@@ -484,8 +523,8 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
         if (ci > 0) issue_v(ci);
         fa_commit();
+        // K(ci + 1) into the other K buffer, all at once.
         if (ci + 1 < nchunks) issue_k(ci + 1);
-        fa_commit();  // possibly empty: phase 3 waits for all groups but this one
         const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
         const u8* vb = vbuf;
 
@@ -545,10 +584,13 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
+        fa_commit();  // K(ci + 1) (possibly empty): phase 3 waits for all groups but this one
         __syncthreads();
 
         // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i (warps w < NT: the
         // others hold only padding rows, whose alpha stays 1 and which are never written out).
+        // Measured against all four warps taking rows (16 lanes per row): the spread costs width 4
+        // 8% and gains width 1 nothing (docs/benchmarks.md, sessions 12 and 13).
         if (w < NT) {
             const int rs = lane >> 2, part = lane & 3;
             const int r = w * 8 + rs;
@@ -565,11 +607,11 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             const float mo = sM[r];
             const float mn = fmaxf(mo, mx);
             const bool none = mn == NEG_INF;  // nothing seen yet for this row: state unchanged
-            const float alpha = none ? 1.0f : exp2f(mo - mn);
+            const float alpha = none ? 1.0f : fa_exp2(mo - mn);
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < 16; i++) {
-                v[i] = none ? 0.0f : exp2f(v[i] - mn);
+                v[i] = none ? 0.0f : fa_exp2(v[i] - mn);
                 sum += v[i];
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -627,28 +669,35 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
 #pragma unroll
                 for (int j = 0; j < NB; j++) {
                     const int b = DW >= 32 ? w * NB + j : (w >> 1);
-                    // B = P^T * vscale(t, b), hi/lo. Masked or padding entries (p <= 0 or -inf)
-                    // contribute exactly 0 whatever the (possibly stale) scale bytes hold.
+                    // B = P^T * vscale(t, b), hi/lo. No select: a real row's p is finite (0 where
+                    // masked) and every scale the buffer holds is finite (a token's own, a previous
+                    // chunk's, or the zeros written over a partial first chunk's tail), so masked
+                    // entries give exactly 0; a padding row's -inf scores only reach its own MMA
+                    // column, which is never written out.
                     const float s0 = fa_f16(v0 + b * 18), s1 = fa_f16(v1 + b * 18);
                     const float s8 = fa_f16(v8 + b * 18), s9 = fa_f16(v9 + b * 18);
                     u32 bh[NT][2], bl[NT][2];
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
-                        const float x0 = pv[nt][0] > 0.0f ? pv[nt][0] * s0 : 0.0f;
-                        const float x1 = pv[nt][1] > 0.0f ? pv[nt][1] * s1 : 0.0f;
-                        const float x8 = pv[nt][2] > 0.0f ? pv[nt][2] * s8 : 0.0f;
-                        const float x9 = pv[nt][3] > 0.0f ? pv[nt][3] * s9 : 0.0f;
+                        const float x0 = pv[nt][0] * s0;
+                        const float x1 = pv[nt][1] * s1;
+                        const float x8 = pv[nt][2] * s8;
+                        const float x9 = pv[nt][3] * s9;
                         fa_split(x0, x1, bh[nt][0], bl[nt][0]);
                         fa_split(x8, x9, bh[nt][1], bl[nt][1]);
                     }
-                    // A = V^T: rows (dims) +g and +g+8 of the m-tile = bytes g and g+8 of block b;
-                    // columns (tokens) t0, t0+1 (a0, a1) and t0+8, t0+9 (a2, a3).
-                    const int o = b * 18 + 2 + g;
+                    // A = V^T: rows g and g+8 of m-tile 2j (low nibbles) are dims 2g and 2g+1 of
+                    // block b (bytes 2g and 2g+1), of m-tile 2j+1 (high nibbles) dims 2g+16 and
+                    // 2g+17; columns (tokens) t0, t0+1 (a0, a1) and t0+8, t0+9 (a2, a3). One 16-bit
+                    // load per token gives a lane both of its rows.
+                    const int o = b * 18 + 2 + 2 * g;
+                    const u32 w0 = *(const u16*)(v0 + o), w1 = *(const u16*)(v1 + o);
+                    const u32 w8 = *(const u16*)(v8 + o), w9 = *(const u16*)(v9 + o);
                     u32 al[4], ah[4];
-                    fa_q4pair(v0[o], v1[o], al[0], ah[0]);
-                    fa_q4pair(v0[o + 8], v1[o + 8], al[1], ah[1]);
-                    fa_q4pair(v8[o], v9[o], al[2], ah[2]);
-                    fa_q4pair(v8[o + 8], v9[o + 8], al[3], ah[3]);
+                    fa_q4pair(w0, w1, al[0], ah[0]);
+                    fa_q4pair_b1(w0, w1, al[1], ah[1]);
+                    fa_q4pair(w8, w9, al[2], ah[2]);
+                    fa_q4pair_b1(w8, w9, al[3], ah[3]);
                     if constexpr (DW >= 32) {
 #pragma unroll
                         for (int nt = 0; nt < NT; nt++) {
@@ -674,23 +723,22 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
 
     // Write the state back (each value by exactly one thread).
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int j = 0; j < 2; j++) {
+            const int r = nt * 8 + 2 * tq + j;
+            if (r < R) {
+                float* st = state_row(r) + 2 + w * DW + 2 * g;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int d = w * DW + mt * 16 + g + (i >> 1) * 8;
-                const int r = nt * 8 + 2 * tq + (i & 1);
-                if (r < R) {
-                    state[(((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen + 2 + d] =
-                        acc[mt][nt][i];
+                for (int mt = 0; mt < MT; mt++) {
+                    *(float2*)(st + mt * 16) = make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]);
                 }
             }
         }
     }
     if (tid < R) {
         const int r = tid;
-        float* st = state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
+        float* st = state_row(r);
         st[0] = sM[r];
         st[1] = sL[r];
     }
