@@ -15,6 +15,9 @@
 # STAGE 2 (≈ 7 min): 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), a 4 Ki
 #   prefill (--fill prefill), q4_g128 / q8_0 / fp8_e4m3 at 32/256 Ki.
 # STAGE 3: compute-sanitizer memcheck and racecheck on the op, attention and GDN suites.
+# STAGE 4 (≈ 5 min): an environment switch A/B on 27B decode: AB_ENV (default
+#   KVSTREAM_Q4_FUSED_PREP) = 1 then 0, AB_WEIGHTS (default q4_g128) at AB_CONTEXTS (default
+#   8Ki,32Ki,256Ki), plain and draft 3.
 # Summary lines go to stdout (the reliable channel back) and $OUT/summary.txt.
 set -u
 D=.device-bin
@@ -67,6 +70,14 @@ elif [ "$STAGE" = 2 ]; then
     step "bench-$w" "${T_Q:-60}" "${BENCH[@]}" --contexts 32Ki,256Ki --spec-draft-n-max 0 \
       --weights "$w" --out "$OUT/bench-$w"
     roofline "bench-$w" 6
+  done
+elif [ "$STAGE" = 4 ]; then
+  AB_ENV=${AB_ENV:-KVSTREAM_Q4_FUSED_PREP}
+  for v in 1 0; do
+    step "ab-$AB_ENV-$v" "${T_AB:-140}" env "$AB_ENV=$v" "${BENCH[@]}" \
+      --contexts "${AB_CONTEXTS:-8Ki,32Ki,256Ki}" --spec-draft-n-max 0,3 \
+      --weights "${AB_WEIGHTS:-q4_g128}" --out "$OUT/ab-$v"
+    roofline "ab-$AB_ENV-$v" 12
   done
 else
   for tool in memcheck racecheck; do

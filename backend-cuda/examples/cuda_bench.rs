@@ -5,7 +5,9 @@
 //!   attention/GDN projections, lm_head), counted in stored bytes (codes + scales) and as a
 //!   percentage of the measured HBM read ceiling (q4_g128 on both the tensor-core and the SIMT
 //!   kernel; the other formats on the default choice and, where that is the stream-K kernel,
-//!   also on gemv_pipe; each row names the kernel that ran);
+//!   also on gemv_pipe; each row names the kernel that ran; the column-packed integer q4 kernel
+//!   also with x prepared by its producer, "(i8c, x prepared)": the GEMV without its x-prep
+//!   launch, as decode runs it under the fused x prep);
 //! * prefill GEMM TFLOP/s (bf16, q4_g128; T = 512 and 4096; MLP gate/up and down) on cuBLAS and
 //!   on the SIMT kernel (`KVSTREAM_BENCH_SKIP_GEMM=1` skips);
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
@@ -28,7 +30,7 @@ use kvstream_memory_contracts::kv::format::{encode, KvType};
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
 use kvstream_memory_contracts::kv::span::{Span, SpanPlan, SpanSource};
 use kvstream_memory_contracts::ops::{
-    DeltaMode, DeltaShape, LinearOps, RecurrentOps, TensorOps, WeightData,
+    ActivationOps, DeltaMode, DeltaShape, LinearOps, RecurrentOps, TensorOps, WeightData,
 };
 use kvstream_memory_contracts::transfer::{CopyEngine, DeviceMemory};
 use kvstream_memory_contracts::{quant_layout, quantize};
@@ -425,9 +427,30 @@ fn main() -> Result<(), Box<dyn Error>> {
                     GemvPath::Q4(Q4Gemv::Auto) => " (auto)",
                     GemvPath::Sk(_) => "",
                 };
-                for t in [1usize, 4] {
+                // The column-packed integer kernel also with x prepared by its producer (the
+                // fused x prep: no x-prep launch, the GEMV alone), x made by a SwiGLU.
+                let prepared_too = matches!(path, GemvPath::Q4(Q4Gemv::Int8Cols));
+                let fused_default = b.fused_prep();
+                for (t, prepared) in [(1usize, false), (4, false), (1, true), (4, true)] {
+                    if prepared && !prepared_too {
+                        continue;
+                    }
                     let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
                     let xt = b.tensor_from_f32(&x, &[t, k])?;
+                    let xt = if prepared {
+                        let ones = b.tensor_from_f32(&vec![1.0f32; t * k], &[t, k])?;
+                        b.set_fused_prep(true);
+                        let p = b.swiglu(&xt, &ones);
+                        b.set_fused_prep(fused_default);
+                        let p = p?;
+                        if !p.has_prepared_x() {
+                            continue;
+                        }
+                        p
+                    } else {
+                        xt
+                    };
+                    let tag = if prepared { " (i8c, x prepared)" } else { tag };
                     let secs = time(&b, 50, || {
                         b.matmul(&xt, &wt)?;
                         Ok(())

@@ -121,6 +121,7 @@ impl CudaBackend {
             alloc,
             offset: 0,
             dims: dims.to_vec(),
+            prepared: None,
         })
     }
 

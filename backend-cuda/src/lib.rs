@@ -75,6 +75,8 @@ pub struct CudaBackend {
     pub(crate) blas: blas::BlasState,
     /// The q4_g128 decode GEMV path (tensor cores or SIMT).
     pub(crate) q4_gemv: ops::linear::q4mma::Q4GemvState,
+    /// Producers' fused x prep for the q4 GEMVs (`ops::linear::prepared`).
+    pub(crate) fused_prep: ops::linear::prepared::FusedPrep,
     /// The decode GEMV of element and 8-bit weights (`GemvSk` code, from `KVSTREAM_GEMV_SK`).
     pub(crate) gemv_sk: std::sync::atomic::AtomicU8,
     /// Fix-up buffers of the stream-K GEMVs (q4 tensor-core and `gemv_sk`).
@@ -181,6 +183,7 @@ impl CudaBackend {
             attn_wave_blocks: Mutex::new(HashMap::new()),
             blas: blas::BlasState::from_env(),
             q4_gemv: ops::linear::q4mma::Q4GemvState::from_env(),
+            fused_prep: ops::linear::prepared::FusedPrep::from_env(),
             gemv_sk: std::sync::atomic::AtomicU8::new(
                 ops::linear::sk_plan::GemvSk::from_env().code(),
             ),

@@ -193,6 +193,9 @@ pub struct CudaTensor {
     /// Byte offset of element 0 inside `alloc` (a multiple of [`CudaTensor::VIEW_ALIGN`]).
     pub(crate) offset: usize,
     pub(crate) dims: Vec<usize>,
+    /// The q4 GEMV x-prep bytes of these values, when the op that made them wrote them too
+    /// (`ops::linear::prepared`); `None` for views and for tensors written after they were made.
+    pub(crate) prepared: Option<crate::ops::linear::prepared::PreparedX>,
 }
 
 impl CudaTensor {
@@ -210,6 +213,12 @@ impl CudaTensor {
         self.offset != 0
     }
 
+    /// True when the op that made these values also wrote the q4 GEMV x-prep bytes for them
+    /// (the fused x prep, `KVSTREAM_Q4_FUSED_PREP`): a q4 GEMV reading this tensor runs no x prep.
+    pub fn has_prepared_x(&self) -> bool {
+        self.prepared.is_some()
+    }
+
     /// A view of `numel(dims)` elements starting `elem` elements after this tensor's element 0,
     /// sharing the allocation; `None` when the start is not [`CudaTensor::VIEW_ALIGN`]-aligned or
     /// the range leaves the tensor.
@@ -224,6 +233,7 @@ impl CudaTensor {
             alloc: Arc::clone(&self.alloc),
             offset: self.offset + byte,
             dims: dims.to_vec(),
+            prepared: None,
         })
     }
 }

@@ -47,6 +47,8 @@ pub const MODULES: &[KernelModule] = &[
             "add_f32",
             "swiglu_f32",
             "sigmoid_gate_f32",
+            "swiglu_prep_f32",
+            "sigmoid_gate_prep_f32",
             "copy_cols_f32",
             "split_cols_f32",
             "embedding_gather",

@@ -8,6 +8,7 @@
 
 mod gemm;
 mod plan;
+pub(crate) mod prepared;
 pub(crate) mod q4mma;
 pub(crate) mod q4mmap;
 pub(crate) mod q4nl;
@@ -67,6 +68,7 @@ impl LinearOps for CudaBackend {
                     format!("`{name}`: byte range outside its source"),
                 )
             })?;
+        self.fused_prep.register(dtype, dims);
         let alloc = if dtype == WeightDType::Q4NlG128 {
             // The kernels read relabeled codes (see `q4nl`); the codes are the first R·K/2 bytes.
             let codes = dims.iter().product::<usize>() / 2;

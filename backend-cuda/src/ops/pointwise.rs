@@ -1,6 +1,7 @@
 //! `NormOps`, `PositionOps`, `ActivationOps` and `SamplingOps`.
 
 use crate::launch::{args, dev, grid1d};
+use crate::ops::linear::prepared::{prep_args, PreparedX};
 use crate::types::elementwise_dtype_code;
 use crate::{CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::{result, LaunchConfig};
@@ -34,6 +35,56 @@ fn row_cfg(rows: usize) -> LaunchConfig {
     }
 }
 
+impl CudaBackend {
+    /// The fused x prep for a norm output `out` with rows of `d`, when it should carry one: the
+    /// kernels prepare whole 128-groups from their vector path, so `d % 128 == 0` and every
+    /// pointer the kernel streams (`ptrs`) 16-byte aligned.
+    fn norm_prep(
+        &self,
+        d: usize,
+        ptrs: &[&CudaTensor],
+        out: &CudaTensor,
+    ) -> Result<Option<PreparedX>, OpError> {
+        if d % 128 != 0 || ptrs.iter().any(|t| t.ptr() % 16 != 0) {
+            return Ok(None);
+        }
+        self.prepare_output(out)
+    }
+
+    /// SwiGLU / sigmoid gate: the plain binary kernel, or its `_prep` form writing the fused x
+    /// prep too when the output should carry one (`numel % 128 == 0`, 16-byte aligned inputs).
+    fn gate_op(
+        &self,
+        kernels: (&'static str, &'static str),
+        op: &'static str,
+        a: &CudaTensor,
+        b: &CudaTensor,
+    ) -> Result<CudaTensor, OpError> {
+        super::same_len(op, a, b)?;
+        let n = a.numel();
+        if n == 0 || n % 128 != 0 || a.ptr() % 16 != 0 || b.ptr() % 16 != 0 {
+            return self.binary(kernels.0, op, a, b);
+        }
+        let mut out = self.tensor_uninit(&a.dims)?;
+        let Some(prep) = self.prepare_output(&out)? else {
+            return self.binary(kernels.0, op, a, b);
+        };
+        let f = self.func(kernels.1)?;
+        let (pa, pb, py, n64) = (a.ptr(), b.ptr(), out.ptr(), n as u64);
+        let (xf, pc) = prep_args(Some(&prep));
+        let mut args = args![&pa, &pb, &py, &n64, &xf, &pc];
+        // One warp per 128-group, 8 warps per block.
+        let cfg = LaunchConfig {
+            grid_dim: ((n / 128).div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(op, f, cfg, &mut args)?;
+        out.prepared = Some(prep);
+        Ok(out)
+    }
+}
+
 impl NormOps for CudaBackend {
     fn rms_norm(
         &self,
@@ -43,10 +94,11 @@ impl NormOps for CudaBackend {
         unit_offset: f32,
     ) -> Result<CudaTensor, OpError> {
         let (rows, d) = norm_rows("rms_norm", x, w)?;
-        let out = self.tensor_uninit(&x.dims)?;
+        let mut out = self.tensor_uninit(&x.dims)?;
         if rows == 0 {
             return Ok(out);
         }
+        let prep = self.norm_prep(d, &[x, &out], &out)?;
         let f = self.func("rms_norm_f32")?;
         let (xp, wp, dt, d64, yp) = (
             x.ptr(),
@@ -55,8 +107,10 @@ impl NormOps for CudaBackend {
             d as u64,
             out.ptr(),
         );
-        let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp];
+        let (xf, pc) = prep_args(prep.as_ref());
+        let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp, &xf, &pc];
         self.launch("rms_norm", f, row_cfg(rows), &mut a)?;
+        out.prepared = prep;
         Ok(out)
     }
 
@@ -71,10 +125,11 @@ impl NormOps for CudaBackend {
         super::same_len("add_rms_norm", a, b)?;
         let (rows, d) = norm_rows("add_rms_norm", a, w)?;
         let h = self.tensor_uninit(&a.dims)?;
-        let y = self.tensor_uninit(&a.dims)?;
+        let mut y = self.tensor_uninit(&a.dims)?;
         if rows == 0 {
             return Ok((h, y));
         }
+        let prep = self.norm_prep(d, &[a, b, &h, &y], &y)?;
         let f = self.func("add_rms_norm_f32")?;
         let (ap, bp, wp, dt, d64, hp, yp) = (
             a.ptr(),
@@ -85,8 +140,22 @@ impl NormOps for CudaBackend {
             h.ptr(),
             y.ptr(),
         );
-        let mut args = args![&ap, &bp, &wp, &dt, &d64, &eps, &unit_offset, &hp, &yp];
+        let (xf, pc) = prep_args(prep.as_ref());
+        let mut args = args![
+            &ap,
+            &bp,
+            &wp,
+            &dt,
+            &d64,
+            &eps,
+            &unit_offset,
+            &hp,
+            &yp,
+            &xf,
+            &pc
+        ];
         self.launch("add_rms_norm", f, row_cfg(rows), &mut args)?;
+        y.prepared = prep;
         Ok((h, y))
     }
 
@@ -99,10 +168,11 @@ impl NormOps for CudaBackend {
     ) -> Result<CudaTensor, OpError> {
         let (rows, d) = norm_rows("gated_rms_norm", x, w)?;
         super::same_len("gated_rms_norm", x, z)?;
-        let out = self.tensor_uninit(&x.dims)?;
+        let mut out = self.tensor_uninit(&x.dims)?;
         if rows == 0 {
             return Ok(out);
         }
+        let prep = self.norm_prep(d, &[&out], &out)?;
         let f = self.func("gated_rms_norm_f32")?;
         let (xp, zp, wp, dt, d64, yp) = (
             x.ptr(),
@@ -112,8 +182,10 @@ impl NormOps for CudaBackend {
             d as u64,
             out.ptr(),
         );
-        let mut a = args![&xp, &zp, &wp, &dt, &d64, &eps, &yp];
+        let (xf, pc) = prep_args(prep.as_ref());
+        let mut a = args![&xp, &zp, &wp, &dt, &d64, &eps, &yp, &xf, &pc];
         self.launch("gated_rms_norm", f, row_cfg(rows), &mut a)?;
+        out.prepared = prep;
         Ok(out)
     }
 }
@@ -173,11 +245,16 @@ impl PositionOps for CudaBackend {
 
 impl ActivationOps for CudaBackend {
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, OpError> {
-        self.binary("swiglu_f32", "swiglu", gate, up)
+        self.gate_op(("swiglu_f32", "swiglu_prep_f32"), "swiglu", gate, up)
     }
 
     fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor, OpError> {
-        self.binary("sigmoid_gate_f32", "sigmoid_gate", x, gate)
+        self.gate_op(
+            ("sigmoid_gate_f32", "sigmoid_gate_prep_f32"),
+            "sigmoid_gate",
+            x,
+            gate,
+        )
     }
 }
 

@@ -109,6 +109,7 @@ impl TensorOps for CudaBackend {
             alloc,
             offset: 0,
             dims: dims.to_vec(),
+            prepared: None,
         })
     }
 
@@ -156,6 +157,8 @@ impl TensorOps for CudaBackend {
                 ),
             ));
         }
+        // New values: x-prep bytes made for the old ones no longer apply.
+        dst.prepared = None;
         self.dtod(dst.ptr(), src.ptr(), src.numel() * 4, "copy_into")
     }
 
@@ -165,6 +168,8 @@ impl TensorOps for CudaBackend {
             alloc: Arc::clone(&t.alloc),
             offset: t.offset,
             dims: dims.to_vec(),
+            // Same values in the same order: the x-prep bytes (per 128 values) stay valid.
+            prepared: t.prepared,
         })
     }
 

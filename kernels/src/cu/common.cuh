@@ -84,6 +84,116 @@ __device__ __forceinline__ void grid_launch_dependents() {
 #endif
 }
 
+// ---- Integer x prep of the q4 tensor-core GEMVs (layouts documented in gemv_mma.cu) ----
+// Each 128-value group of x is rounded to 22-bit integers with a power-of-two scale and split into
+// three signed bytes in the fragment order the integer GEMVs read (`gemv_q4i8p*`: QI_U4 uint4 per
+// group; the column-packed `gemv_q4i8c*` (COLS): QC_U4). The x-prep kernels (gemv_mma.cu) run it on
+// x read from memory; the producers of a GEMV's input (norm.cu's RMSNorms, elementwise.cu's SwiGLU
+// and sigmoid gate) run it on their own output in registers and write both (`prep` = PREP_I8C or
+// PREP_I8C_NL, 0 = none), so a decode GEMV needs no x-prep launch. Same values in, same bytes out.
+#define QI_M 8355711  // 0x7f7f7f
+#define QI_U4 25      // uint4 per (token, group)
+#define QC_U4 25      // uint4 per (token, group), column-packed layout (gemv_q4i8c*)
+
+#define PREP_I8C 1     // producer x prep: the q4_g128 column-packed layout
+#define PREP_I8C_NL 2  // producer x prep: the q4_nl_g128 column-packed layout
+
+// One group: the calling warp holds it, lane l values 4l .. 4l + 3 in v (all 32 lanes call);
+// writes the group's QC_U4 (COLS) or QI_U4 uint4 at dst.
+template <bool NL, bool COLS>
+__device__ __forceinline__ void q4i8_prep_group(const float4 v, uint4* __restrict__ dst, const int lane) {
+    const bool bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+    float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    const bool any_bad = __any_sync(0xffffffffu, bad);
+    // am = f·2^e, f in [0.5, 1): xs = 2^(e - 22), x / xs = ldexpf(x, 22 - e) exactly.
+    int e = 0;
+    const bool scaled = am > 0.0f && !any_bad;
+    if (scaled) frexpf(am, &e);
+    const float xs = any_bad ? __int_as_float(0x7fc00000) : (scaled ? ldexpf(1.0f, e - 22) : 0.0f);
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+    u32 part[3] = {0u, 0u, 0u};  // per part: b0 half (bytes of values 0, 2) | b1 half << 16 (1, 3)
+    int s2 = 0, s10 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int X = scaled ? __float2int_rn(ldexpf(vals[i], 22 - e)) : 0;
+        X = X > QI_M ? QI_M : (X < -QI_M ? -QI_M : X);
+        const int x0 = (int)(i8)(X & 0xff);
+        const int r = (X - x0) >> 8;
+        const int x1 = (int)(i8)(r & 0xff);
+        const int x2 = (r - x1) >> 8;
+        s2 += x2;
+        s10 += X - 65536 * x2;
+        const int sh = NL ? 8 * i : (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
+        part[0] |= (u32)(x0 & 0xff) << sh;
+        part[1] |= (u32)(x1 & 0xff) << sh;
+        part[2] |= (u32)(x2 & 0xff) << sh;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+        s10 += __shfl_xor_sync(0xffffffffu, s10, o);
+    }
+    u32 other[3];
+#pragma unroll
+    for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
+    // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
+    // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
+    if (COLS) {
+        uint2* base2 = (uint2*)dst;
+        if ((lane & 1) == 0) {
+            const int tq = lane >> 3, wd = (lane >> 1) & 3;
+            u32 b0[3], b1[3];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                if (NL) {
+                    b0[p] = part[p];
+                    b1[p] = other[p];
+                } else {
+                    b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
+                    b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+                }
+            }
+            uint2* q = base2 + wd * 12 + tq;
+            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
+            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
+            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
+        }
+        if (lane == 0) {
+            base2[48] = make_uint2(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s10));
+            base2[49] = make_uint2(__float_as_uint(xs * 65536.0f), NL ? 0u : (u32)(-8 * s2));
+        }
+        return;
+    }
+    uint4* base = dst;
+    if ((lane & 1) == 0) {
+        const int tq = lane >> 3, wd = (lane >> 1) & 3;
+        u32 b0[3], b1[3];
+#pragma unroll
+        for (int p = 0; p < 3; p++) {
+            if (NL) {
+                b0[p] = part[p];
+                b1[p] = other[p];
+            } else {
+                b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
+                b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
+            }
+        }
+        base[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
+        ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
+    }
+    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s2), NL ? 0u : (u32)(-8 * s10), 0u);
+}
+
+// A producer's x prep of group `group` (flat index: token · K/128 + group of the token) into xf.
+// Warp-uniform; no-op for prep == 0.
+__device__ __forceinline__ void q4c_prep_group(const int prep, const float4 v, uint4* __restrict__ xf, const u64 group,
+                                               const int lane) {
+    if (prep == PREP_I8C) q4i8_prep_group<false, true>(v, xf + group * QC_U4, lane);
+    else if (prep == PREP_I8C_NL) q4i8_prep_group<true, true>(v, xf + group * QC_U4, lane);
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }

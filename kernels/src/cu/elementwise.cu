@@ -15,6 +15,41 @@ extern "C" __global__ void sigmoid_gate_f32(const float* x, const float* gate, f
         y[i] = x[i] * sigmoid_f(gate[i]);
 }
 
+// SwiGLU / sigmoid gate with the fused x prep of the q4 integer GEMVs (common.cuh): one warp per
+// 128-group of the output (n % 128 == 0, every pointer 16-byte aligned), lane l values 4l .. 4l + 3;
+// y as the plain kernels write it (same per-value expression) plus xf (prep = PREP_I8C or
+// PREP_I8C_NL).
+template <bool SWIGLU>
+__device__ __forceinline__ void gate_prep(const float* __restrict__ a, const float* __restrict__ g,
+                                          float* __restrict__ y, u64 n, uint4* __restrict__ xf, int prep) {
+    grid_launch_dependents();
+    const u64 group = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (group >= n / 128) return;  // warp-uniform
+    const u64 i4 = group * 32 + lane;
+    const float4 av = ((const float4*)a)[i4];
+    const float4 gv = ((const float4*)g)[i4];
+    float4 o;
+    if (SWIGLU) {  // a = gate, g = up
+        o = make_float4(silu_f(av.x) * gv.x, silu_f(av.y) * gv.y, silu_f(av.z) * gv.z, silu_f(av.w) * gv.w);
+    } else {  // a = x, g = gate
+        o = make_float4(av.x * sigmoid_f(gv.x), av.y * sigmoid_f(gv.y), av.z * sigmoid_f(gv.z),
+                        av.w * sigmoid_f(gv.w));
+    }
+    ((float4*)y)[i4] = o;
+    q4c_prep_group(prep, o, xf, group, lane);
+}
+
+extern "C" __global__ void swiglu_prep_f32(const float* __restrict__ gate, const float* __restrict__ up,
+                                           float* __restrict__ y, u64 n, uint4* __restrict__ xf, int prep) {
+    gate_prep<true>(gate, up, y, n, xf, prep);
+}
+
+extern "C" __global__ void sigmoid_gate_prep_f32(const float* __restrict__ x, const float* __restrict__ gate,
+                                                 float* __restrict__ y, u64 n, uint4* __restrict__ xf, int prep) {
+    gate_prep<false>(x, gate, y, n, xf, prep);
+}
+
 // dst[r, dst_col0 + c] = src[r, src_col0 + c] for r < rows, c < cols.
 extern "C" __global__ void copy_cols_f32(const float* src, u64 src_stride, u64 src_col0, float* dst,
                                          u64 dst_stride, u64 dst_col0, u64 rows, u64 cols) {

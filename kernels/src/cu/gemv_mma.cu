@@ -401,9 +401,7 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs
 // b1 at ... + 2j + 1 (byte j). Per (t, G) xprep writes 25 uint4: [wd·4 + tq] = {x2.b0, x2.b1,
 // x1.b0, x1.b1}; uint2 [32 + wd·4 + tq] (bytes 256..383) = {x0.b0, x0.b1}; [24] = {xs, −8·S2,
 // −8·S10, 0}.
-#define QI_M 8355711  // 0x7f7f7f
-#define QI_U4 25      // uint4 per (token, group)
-#define QC_U4 25      // uint4 per (token, group), column-packed layout (gemv_q4i8c*)
+// QI_M, QI_U4 and QC_U4 are defined in common.cuh (the producers' fused x prep writes this layout).
 
 // q4_nl_g128 (`gemv_q4nli8p*`, NL = true): the codes are looked up as int8 levels (common.cuh:
 // one prmt pair per 4 codes) and enter mma.m16n8k32.s8.s8 signed, so no offset is folded in
@@ -412,7 +410,8 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 3) __global__ void gemv_q4nlmmap3_xs
 // A byte j of a0 (a2) is code e = j (e = 4 + j) of word wd, and b0 (b1) holds x at
 // k = 128G + 32tq + 8wd + j (+ 4): xprep packs the NL fragments in that order.
 
-// x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned).
+// x [T, K] f32 → the fragments above, one warp per (t, G) (K % 128 == 0, x 16-byte aligned):
+// `q4i8_prep_group` (common.cuh) on the group's 128 values.
 // COLS: the column-packed layout of `gemv_q4i8c*` (see there) instead, QC_U4 uint4 per (t, G).
 template <bool NL, bool COLS = false>
 __device__ __forceinline__ void q4i8_xprep_body(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {
@@ -421,88 +420,7 @@ __device__ __forceinline__ void q4i8_xprep_body(const float* __restrict__ x, uin
     const int lane = threadIdx.x & 31;
     if (gi >= (u64)T * (K / 128)) return;  // warp-uniform
     const float4 v = ((const float4*)(x + gi * 128))[lane];
-    const bool bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
-    float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-    const bool any_bad = __any_sync(0xffffffffu, bad);
-    // am = f·2^e, f in [0.5, 1): xs = 2^(e - 22), x / xs = ldexpf(x, 22 - e) exactly.
-    int e = 0;
-    const bool scaled = am > 0.0f && !any_bad;
-    if (scaled) frexpf(am, &e);
-    const float xs = any_bad ? __int_as_float(0x7fc00000) : (scaled ? ldexpf(1.0f, e - 22) : 0.0f);
-    const float vals[4] = {v.x, v.y, v.z, v.w};
-    u32 part[3] = {0u, 0u, 0u};  // per part: b0 half (bytes of values 0, 2) | b1 half << 16 (1, 3)
-    int s2 = 0, s10 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int X = scaled ? __float2int_rn(ldexpf(vals[i], 22 - e)) : 0;
-        X = X > QI_M ? QI_M : (X < -QI_M ? -QI_M : X);
-        const int x0 = (int)(i8)(X & 0xff);
-        const int r = (X - x0) >> 8;
-        const int x1 = (int)(i8)(r & 0xff);
-        const int x2 = (r - x1) >> 8;
-        s2 += x2;
-        s10 += X - 65536 * x2;
-        const int sh = NL ? 8 * i : (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
-        part[0] |= (u32)(x0 & 0xff) << sh;
-        part[1] |= (u32)(x1 & 0xff) << sh;
-        part[2] |= (u32)(x2 & 0xff) << sh;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
-        s10 += __shfl_xor_sync(0xffffffffu, s10, o);
-    }
-    u32 other[3];
-#pragma unroll
-    for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
-    // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
-    // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
-    if (COLS) {
-        uint2* base2 = (uint2*)(xf + gi * QC_U4);
-        if ((lane & 1) == 0) {
-            const int tq = lane >> 3, wd = (lane >> 1) & 3;
-            u32 b0[3], b1[3];
-#pragma unroll
-            for (int p = 0; p < 3; p++) {
-                if (NL) {
-                    b0[p] = part[p];
-                    b1[p] = other[p];
-                } else {
-                    b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
-                    b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
-                }
-            }
-            uint2* q = base2 + wd * 12 + tq;
-            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
-            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
-            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
-        }
-        if (lane == 0) {
-            base2[48] = make_uint2(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s10));
-            base2[49] = make_uint2(__float_as_uint(xs * 65536.0f), NL ? 0u : (u32)(-8 * s2));
-        }
-        return;
-    }
-    uint4* base = xf + gi * QI_U4;
-    if ((lane & 1) == 0) {
-        const int tq = lane >> 3, wd = (lane >> 1) & 3;
-        u32 b0[3], b1[3];
-#pragma unroll
-        for (int p = 0; p < 3; p++) {
-            if (NL) {
-                b0[p] = part[p];
-                b1[p] = other[p];
-            } else {
-                b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
-                b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
-            }
-        }
-        base[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
-        ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
-    }
-    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s2), NL ? 0u : (u32)(-8 * s10), 0u);
+    q4i8_prep_group<NL, COLS>(v, xf + gi * (COLS ? QC_U4 : QI_U4), lane);
 }
 
 extern "C" __global__ void gemv_q4i8_xprep(const float* __restrict__ x, uint4* __restrict__ xf, int T, u64 K) {

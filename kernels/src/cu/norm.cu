@@ -28,12 +28,21 @@ __device__ __forceinline__ float4 norm_scale4(float4 v, float r, float4 wv, floa
 // Per-thread element order and the block reduction depend only on d and blockDim, so a row's
 // result does not depend on the number of rows, and ADD gives bit for bit what add_f32 followed
 // by the ADD = false path gives.
+// prep ≠ 0 (PREP_I8C / PREP_I8C_NL, common.cuh): y's x prep for the q4 integer GEMVs into xf as
+// well, from the values in registers. The launcher asks for it only when d % 128 == 0 and every
+// pointer is 16-byte aligned (the vector path): float4 i of the row is lane i % 32 of warp-group
+// i / 32 (blockDim a multiple of 32), so each warp holds whole 128-groups and i < d4 is
+// warp-uniform.
 template <bool ADD>
 __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float* __restrict__ b,
                                         const void* __restrict__ w, int dt, u64 d, float eps, float off,
-                                        float* __restrict__ h, float* __restrict__ y) {
+                                        float* __restrict__ h, float* __restrict__ y, uint4* __restrict__ xf,
+                                        int prep) {
     __shared__ float scratch[32];
+    if (prep) grid_launch_dependents();  // the q4 GEMV reading xf streams its first weights now
     const u64 row = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const u64 row_group = row * (d / 128);
     a += row * d;
     y += row * d;
     if (ADD) {
@@ -73,11 +82,17 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
 #pragma unroll
         for (int j = 0; j < NORM_CACHE; j++) {
             const u64 i = threadIdx.x + (u64)j * blockDim.x;
-            if (i < d4) ((float4*)y)[i] = norm_scale4(c[j], r, wc[j], off);
+            if (i < d4) {
+                const float4 o = norm_scale4(c[j], r, wc[j], off);
+                ((float4*)y)[i] = o;
+                q4c_prep_group(prep, o, xf, row_group + i / 32, lane);
+            }
         }
         for (u64 i = threadIdx.x + (u64)NORM_CACHE * blockDim.x; i < d4; i += blockDim.x) {
             const float4 v = ADD ? norm_add4(A[i], B[i]) : A[i];
-            ((float4*)y)[i] = norm_scale4(v, r, norm_w4(w, dt, i), off);
+            const float4 o = norm_scale4(v, r, norm_w4(w, dt, i), off);
+            ((float4*)y)[i] = o;
+            q4c_prep_group(prep, o, xf, row_group + i / 32, lane);
         }
     } else {
 #pragma unroll 4
@@ -95,23 +110,29 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
     }
 }
 
-// One block per row.
+// One block per row. xf / prep: the fused x prep (rms_row; prep = 0: none, xf unused).
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const void* __restrict__ w, int dt, u64 d,
-                                        float eps, float unit_offset, float* __restrict__ y) {
-    rms_row<false>(x, nullptr, w, dt, d, eps, unit_offset, nullptr, y);
+                                        float eps, float unit_offset, float* __restrict__ y, uint4* __restrict__ xf,
+                                        int prep) {
+    rms_row<false>(x, nullptr, w, dt, d, eps, unit_offset, nullptr, y, xf, prep);
 }
 
 // h = a + b stored, then the RMSNorm of h: bit-identical to add_f32 followed by rms_norm_f32
 // (same per-thread elements and reduction order), one launch and one read of the row.
 extern "C" __global__ void add_rms_norm_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             const void* __restrict__ w, int dt, u64 d, float eps,
-                                            float unit_offset, float* __restrict__ h, float* __restrict__ y) {
-    rms_row<true>(a, b, w, dt, d, eps, unit_offset, h, y);
+                                            float unit_offset, float* __restrict__ h, float* __restrict__ y,
+                                            uint4* __restrict__ xf, int prep) {
+    rms_row<true>(a, b, w, dt, d, eps, unit_offset, h, y, xf, prep);
 }
 
+// One block per row. prep ≠ 0 (d % 128 == 0, y 16-byte aligned): after the row is written, each
+// warp x-preps whole 128-groups of it, read back from memory (a block's own global writes are
+// visible to it after __syncthreads).
 extern "C" __global__ void gated_rms_norm_f32(const float* x, const float* z, const void* w, int dt, u64 d,
-                                              float eps, float* y) {
+                                              float eps, float* y, uint4* __restrict__ xf, int prep) {
     __shared__ float scratch[32];
+    if (prep) grid_launch_dependents();
     const float* xr = x + blockIdx.x * d;
     const float* zr = z + blockIdx.x * d;
     float* yr = y + blockIdx.x * d;
@@ -120,4 +141,13 @@ extern "C" __global__ void gated_rms_norm_f32(const float* x, const float* z, co
     float total = block_sum(s, scratch);
     float r = rsqrtf(total / (float)d + eps);
     for (u64 i = threadIdx.x; i < d; i += blockDim.x) yr[i] = xr[i] * r * load_w(w, dt, i) * silu_f(zr[i]);
+    if (prep) {
+        __syncthreads();
+        const int lane = threadIdx.x & 31;
+        const u64 groups = d / 128;
+        for (u64 g = threadIdx.x >> 5; g < groups; g += blockDim.x >> 5) {
+            const float4 v = ((const float4*)(yr + g * 128))[lane];
+            q4c_prep_group(prep, v, xf, blockIdx.x * groups + g, lane);
+        }
+    }
 }

@@ -301,13 +301,14 @@ impl CudaBackend {
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
         let (scratch, counters) = self.mmap_buffers(plan, kind)?;
-        use super::q4mma::{I8C_XPREP_BYTES_PER_GROUP as COLS, I8_XPREP_BYTES_PER_GROUP as I8};
-        let xf = match kind {
-            MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => self.q4_mma_xprep(x, t, k)?,
-            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep", I8)?,
-            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep", I8)?,
-            MmapKind::Int8Cols => self.q4_i8_xprep(x, t, k, "gemv_q4i8c_xprep", COLS)?,
-            MmapKind::Int8ColsNl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8c_xprep", COLS)?,
+        // The producer of x may have written its x-prep bytes (`super::prepared`): then no
+        // x-prep launch. `_made` lives until the GEMV is enqueued.
+        let (xfp, _made) = match Self::prepared_for(x, kind, t, k) {
+            Some(p) => (p.alloc.ptr(), None),
+            None => {
+                let m = self.xprep(x, t, k, kind)?;
+                (m.ptr(), Some(m))
+            }
         };
         let per_sm = blocks_per_sm_of(kind);
         let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm).filter(|_| stage_x());
@@ -336,7 +337,7 @@ impl CudaBackend {
             block_dim: ((WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (xfp, yp) = (xf.ptr(), y.ptr());
+        let yp = y.ptr();
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
         let (sp, cp) = (scratch.ptr(), counters.ptr());
         let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
@@ -345,6 +346,25 @@ impl CudaBackend {
         } else {
             self.launch("gemv", f, cfg, &mut a)
         }
+    }
+
+    /// x in the fragment layout `kind` reads, by its x-prep kernel.
+    fn xprep(
+        &self,
+        x: &CudaTensor,
+        t: usize,
+        k: usize,
+        kind: MmapKind,
+    ) -> Result<CudaTensor, OpError> {
+        use super::q4mma::{I8C_XPREP_BYTES_PER_GROUP as COLS, I8_XPREP_BYTES_PER_GROUP as I8};
+        self.note_xprep_launch();
+        Ok(match kind {
+            MmapKind::SplitBf16 | MmapKind::SplitBf16Nl => self.q4_mma_xprep(x, t, k)?,
+            MmapKind::Int8 => self.q4_i8_xprep(x, t, k, "gemv_q4i8_xprep", I8)?,
+            MmapKind::Int8Nl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8_xprep", I8)?,
+            MmapKind::Int8Cols => self.q4_i8_xprep(x, t, k, "gemv_q4i8c_xprep", COLS)?,
+            MmapKind::Int8ColsNl => self.q4_i8_xprep(x, t, k, "gemv_q4nl_i8c_xprep", COLS)?,
+        })
     }
 }
 
