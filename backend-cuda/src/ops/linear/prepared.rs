@@ -28,9 +28,10 @@ use std::sync::{Arc, Mutex};
 /// launch; the A/B for benchmarks). Unset: [`FUSED_PREP_DEFAULT`].
 pub const FUSED_PREP_ENV: &str = "KVSTREAM_Q4_FUSED_PREP";
 
-/// Whether the fused x prep is on when [`FUSED_PREP_ENV`] is unset: off until its GPU suite
-/// (`backend-cuda/tests/fused_prep.rs`) and decode A/B have run on the GPU machine.
-pub const FUSED_PREP_DEFAULT: bool = false;
+/// Whether the fused x prep is on when [`FUSED_PREP_ENV`] is unset: on since session 15 (GPU
+/// suite `backend-cuda/tests/fused_prep.rs` and the engine check passed with it on; 27B q4_g128
+/// decode −3.5% at 8 Ki and 32 Ki on an H100, docs/benchmarks.md "session 15").
+pub const FUSED_PREP_DEFAULT: bool = true;
 
 /// Values per x-prep group.
 const GROUP: usize = 128;
