@@ -769,6 +769,54 @@ fn embedding_norms_rope_activations_match_cpu() {
     assert_eq!(want[1], 10);
 }
 
+/// RMSNorm rows of the 27B hidden size (5,120 values: the rows `KVSTREAM_NORM_WIDE` gives 512
+/// threads) and of 8,192 against the CPU, and each row of a T = 4 call bit for bit equal to the
+/// same row normed alone (the row's result must not depend on the width: MTP verification).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rms_norms_of_hidden_size_rows_match_cpu_and_do_not_depend_on_width() {
+    let p = Pair::new();
+    let mut rng = StdRng::seed_from_u64(22);
+    for d in [5120usize, 8192] {
+        let t = 4;
+        let x = rnd(&mut rng, t * d, 3.0);
+        let z = rnd(&mut rng, t * d, 3.0);
+        let (xc, xg) = p.t(&x, &[t, d]);
+        let (zc, zg) = p.t(&z, &[t, d]);
+        let (wc, wg) = p.w(&rnd(&mut rng, d, 0.5), &[d], WeightDType::Bf16);
+        let (g, c) = p.get(
+            &p.cpu.rms_norm(&xc, &wc, 1e-6, 1.0).expect("cpu"),
+            &p.gpu.rms_norm(&xg, &wg, 1e-6, 1.0).expect("gpu"),
+        );
+        close(&format!("rms_norm d={d}"), &g, &c, 1e-5, 1e-5);
+        let (hg, yg) = p.gpu.add_rms_norm(&xg, &zg, &wg, 1e-6, 1.0).expect("gpu");
+        let (hc, yc) = p.cpu.add_rms_norm(&xc, &zc, &wc, 1e-6, 1.0).expect("cpu");
+        let (y_all, y_cpu) = p.get(&yc, &yg);
+        close(&format!("add_rms_norm d={d}"), &y_all, &y_cpu, 1e-5, 1e-5);
+        let (h_all, h_cpu) = p.get(&hc, &hg);
+        assert_eq!(h_all, h_cpu, "add_rms_norm h d={d} is exact");
+        for r in 0..t {
+            let row = |v: &[f32]| v[r * d..(r + 1) * d].to_vec();
+            let (xr, zr) = (row(&x), row(&z));
+            let xg1 = p.gpu.tensor_from_f32(&xr, &[1, d]).expect("x row");
+            let zg1 = p.gpu.tensor_from_f32(&zr, &[1, d]).expect("z row");
+            let one = p.gpu.rms_norm(&xg1, &wg, 1e-6, 1.0).expect("gpu row");
+            let one = p.gpu.tensor_to_f32(&one).expect("dl");
+            assert_eq!(bits(&one), bits(&row(&g)), "rms_norm d={d} row {r} alone");
+            let (_, y1) = p
+                .gpu
+                .add_rms_norm(&xg1, &zg1, &wg, 1e-6, 1.0)
+                .expect("gpu row");
+            let y1 = p.gpu.tensor_to_f32(&y1).expect("dl");
+            assert_eq!(
+                bits(&y1),
+                bits(&row(&y_all)),
+                "add_rms_norm d={d} row {r} alone"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn rope_and_mrope_match_cpu() {

@@ -27,6 +27,41 @@ pub(super) fn norm_rows(
     Ok((x.numel() / d, d))
 }
 
+/// Environment switch: `1` runs the RMSNorms of rows of 4,096 values or more (the model's hidden
+/// size) with 512 threads per row instead of 256 (`0`: 256 everywhere). A function of `d` only,
+/// never of the row count, so a row's result does not depend on how many rows are normed with it
+/// (MTP verification relies on that). Unset: [`WIDE_NORM_DEFAULT`].
+pub const WIDE_NORM_ENV: &str = "KVSTREAM_NORM_WIDE";
+
+/// Whether [`WIDE_NORM_ENV`] is on when unset.
+pub const WIDE_NORM_DEFAULT: bool = false;
+
+/// Threads per block of `rms_norm_f32` / `add_rms_norm_f32` for rows of `d` values.
+fn norm_threads(d: usize) -> u32 {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let wide = *WIDE.get_or_init(|| {
+        std::env::var(WIDE_NORM_ENV).map_or(WIDE_NORM_DEFAULT, |v| v.trim() != "0")
+    });
+    norm_threads_for(d, wide)
+}
+
+fn norm_threads_for(d: usize, wide: bool) -> u32 {
+    if wide && d >= 4096 {
+        512
+    } else {
+        256
+    }
+}
+
+/// One block per row: RMSNorm rows of `d` values.
+fn norm_cfg(rows: usize, d: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (norm_threads(d), 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn row_cfg(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -109,7 +144,7 @@ impl NormOps for CudaBackend {
         );
         let (xf, pc) = prep_args(prep.as_ref());
         let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp, &xf, &pc];
-        self.launch("rms_norm", f, row_cfg(rows), &mut a)?;
+        self.launch("rms_norm", f, norm_cfg(rows, d), &mut a)?;
         out.prepared = prep;
         Ok(out)
     }
@@ -154,7 +189,7 @@ impl NormOps for CudaBackend {
             &xf,
             &pc
         ];
-        self.launch("add_rms_norm", f, row_cfg(rows), &mut args)?;
+        self.launch("add_rms_norm", f, norm_cfg(rows, d), &mut args)?;
         y.prepared = prep;
         Ok((h, y))
     }
@@ -283,5 +318,21 @@ impl SamplingOps for CudaBackend {
             .map_err(dev("argmax_rows"))?;
         self.compute.synchronize().map_err(dev("argmax_rows"))?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::norm_threads_for;
+
+    #[test]
+    fn wide_norm_rows_depend_on_the_row_length_only() {
+        assert_eq!(norm_threads_for(5120, true), 512);
+        assert_eq!(norm_threads_for(4096, true), 512);
+        assert_eq!(norm_threads_for(4095, true), 256);
+        assert_eq!(norm_threads_for(128, true), 256);
+        for d in [128, 4096, 5120, 8192] {
+            assert_eq!(norm_threads_for(d, false), 256, "d={d}");
+        }
     }
 }
