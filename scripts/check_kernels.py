@@ -3,6 +3,7 @@
 
 Setup (CI):  pip install "nvidia-cuda-nvrtc==13.0.*"
 Usage:       python3 scripts/check_kernels.py [--arch compute_90] [--lib /path/to/libnvrtc.so.13]
+             [--define NAME[=VAL]]...   (the A/B switches KVSTREAM_NVRTC_DEFINES sets at run time)
 
 Each module is compiled exactly as backend-cuda compiles it at run time: kernels/src/cu/common.cuh
 prepended to kernels/src/cu/<module>.cu, with the same options. Prints a table (module, result,
@@ -52,6 +53,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="compute_90")
     ap.add_argument("--lib", default=None)
+    ap.add_argument("--define", action="append", default=[], help="NAME[=VAL], passed as -D")
     args = ap.parse_args()
     path = find_nvrtc(args.lib)
     # libnvrtc dlopen()s libnvrtc-builtins by soname: load it first from the same folder.
@@ -68,7 +70,8 @@ def main():
         return 2
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    print(f"NVRTC {major.value}.{minor.value} from {path}, arch {args.arch}")
+    defs = " ".join(f"-D{d}" for d in args.define)
+    print(f"NVRTC {major.value}.{minor.value} from {path}, arch {args.arch} {defs}".rstrip())
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     common = open(os.path.join(CU_DIR, "common.cuh"), encoding="utf-8").read()
     expected = expected_kernels()
@@ -85,6 +88,7 @@ def main():
             failures += 1
             continue
         opts = [f"--gpu-architecture={args.arch}".encode()] + [o.encode() for o in OPTIONS]
+        opts += [f"-D{d}".encode() for d in args.define]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         r = lib.nvrtcCompileProgram(prog, len(opts), arr)
         log_size = ctypes.c_size_t()

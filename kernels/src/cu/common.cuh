@@ -194,6 +194,97 @@ __device__ __forceinline__ void q4c_prep_group(const int prep, const float4 v, u
     else if (prep == PREP_I8C_NL) q4i8_prep_group<true, true>(v, xf + group * QC_U4, lane);
 }
 
+// N groups of the column-packed layout at once (`q4i8_prep_group<NL, true>`'s arithmetic, so the
+// same bytes): group g's values in v[g] (lane l: 4l .. 4l + 3), written at xf + (g0 + g·gstride)·QC_U4
+// when g < nv (warp-uniform; the others are computed and dropped). The N shuffle chains are
+// independent and interleave: about one group's latency for N (a single-row RMSNorm's warp holds
+// several groups of its row).
+template <bool NL, int N>
+__device__ __forceinline__ void q4c_prep_groups(const float4* v, uint4* __restrict__ xf, const u64 g0,
+                                                const u64 gstride, const int nv, const int lane) {
+    float am[N], xs[N];
+    bool bad[N], scaled[N];
+    int e[N], s2[N], s10[N];
+    u32 part[N][3], other[N][3];
+#pragma unroll
+    for (int g = 0; g < N; g++) {
+        bad[g] = !(isfinite(v[g].x) && isfinite(v[g].y) && isfinite(v[g].z) && isfinite(v[g].w));
+        am[g] = fmaxf(fmaxf(fabsf(v[g].x), fabsf(v[g].y)), fmaxf(fabsf(v[g].z), fabsf(v[g].w)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < N; g++) am[g] = fmaxf(am[g], __shfl_xor_sync(0xffffffffu, am[g], o));
+    }
+#pragma unroll
+    for (int g = 0; g < N; g++) {
+        const bool any_bad = __any_sync(0xffffffffu, bad[g]);
+        e[g] = 0;
+        scaled[g] = am[g] > 0.0f && !any_bad;
+        if (scaled[g]) frexpf(am[g], &e[g]);
+        xs[g] = any_bad ? __int_as_float(0x7fc00000) : (scaled[g] ? ldexpf(1.0f, e[g] - 22) : 0.0f);
+        const float vals[4] = {v[g].x, v[g].y, v[g].z, v[g].w};
+        part[g][0] = part[g][1] = part[g][2] = 0u;
+        s2[g] = 0;
+        s10[g] = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int X = scaled[g] ? __float2int_rn(ldexpf(vals[i], 22 - e[g])) : 0;
+            X = X > QI_M ? QI_M : (X < -QI_M ? -QI_M : X);
+            const int x0 = (int)(i8)(X & 0xff);
+            const int r = (X - x0) >> 8;
+            const int x1 = (int)(i8)(r & 0xff);
+            const int x2 = (r - x1) >> 8;
+            s2[g] += x2;
+            s10[g] += X - 65536 * x2;
+            const int sh = NL ? 8 * i : (i & 1 ? 16 : 0) + (i & 2 ? 8 : 0);
+            part[g][0] |= (u32)(x0 & 0xff) << sh;
+            part[g][1] |= (u32)(x1 & 0xff) << sh;
+            part[g][2] |= (u32)(x2 & 0xff) << sh;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < N; g++) {
+            s2[g] += __shfl_xor_sync(0xffffffffu, s2[g], o);
+            s10[g] += __shfl_xor_sync(0xffffffffu, s10[g], o);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < N; g++) {
+#pragma unroll
+        for (int p = 0; p < 3; p++) other[g][p] = __shfl_xor_sync(0xffffffffu, part[g][p], 1);
+    }
+    const int tq = lane >> 3, wd = (lane >> 1) & 3;
+#pragma unroll
+    for (int g = 0; g < N; g++) {
+        if (g >= nv) continue;
+        uint2* base2 = (uint2*)(xf + (g0 + (u64)g * gstride) * QC_U4);
+        if ((lane & 1) == 0) {
+            u32 b0[3], b1[3];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                if (NL) {
+                    b0[p] = part[g][p];
+                    b1[p] = other[g][p];
+                } else {
+                    b0[p] = (part[g][p] & 0xffffu) | (other[g][p] << 16);
+                    b1[p] = (part[g][p] >> 16) | (other[g][p] & 0xffff0000u);
+                }
+            }
+            uint2* q = base2 + wd * 12 + tq;
+            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
+            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
+            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
+        }
+        if (lane == 0) {
+            base2[48] = make_uint2(__float_as_uint(xs[g]), NL ? 0u : (u32)(-8 * s10[g]));
+            base2[49] = make_uint2(__float_as_uint(xs[g] * 65536.0f), NL ? 0u : (u32)(-8 * s2[g]));
+        }
+    }
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
