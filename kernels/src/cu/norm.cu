@@ -2,7 +2,9 @@
 
 // Float4s of a row each thread keeps in registers between the sum of squares and the scaling:
 // rows up to NORM_CACHE · 4 · blockDim values (8,192 with 256 threads, 16,384 with the 512 the
-// launcher gives rows of 4,096 values or more under KVSTREAM_NORM_WIDE) are read
+// launcher gives rows of 4,096 values or more under KVSTREAM_NORM_WIDE: the RMSNorm kernels carry no
+// __launch_bounds__, which changed the default build's register allocation, and use <= 128
+// registers, so 512-thread blocks launch) are read
 // from memory once, with all of a thread's loads in flight together (a loop that waits on each
 // load made a single-row norm of 5,120 values take ~13 µs on an H200, latency-bound).
 #define NORM_CACHE 8
@@ -146,7 +148,7 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
 }
 
 // One block per row. xf / prep: the fused x prep (rms_row; prep = 0: none, xf unused).
-extern "C" __global__ void __launch_bounds__(512) rms_norm_f32(const float* __restrict__ x, const void* __restrict__ w, int dt, u64 d,
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const void* __restrict__ w, int dt, u64 d,
                                         float eps, float unit_offset, float* __restrict__ y, uint4* __restrict__ xf,
                                         int prep) {
     rms_row<false>(x, nullptr, w, dt, d, eps, unit_offset, nullptr, y, xf, prep);
@@ -154,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm_f32(const float* __re
 
 // h = a + b stored, then the RMSNorm of h: bit-identical to add_f32 followed by rms_norm_f32
 // (same per-thread elements and reduction order), one launch and one read of the row.
-extern "C" __global__ void __launch_bounds__(512) add_rms_norm_f32(const float* __restrict__ a, const float* __restrict__ b,
+extern "C" __global__ void add_rms_norm_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             const void* __restrict__ w, int dt, u64 d, float eps,
                                             float unit_offset, float* __restrict__ h, float* __restrict__ y,
                                             uint4* __restrict__ xf, int prep) {
