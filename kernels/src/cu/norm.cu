@@ -9,12 +9,6 @@
 // load made a single-row norm of 5,120 values take ~13 µs on an H200, latency-bound).
 #define NORM_CACHE 8
 
-// The fused x prep of a norm row's cached float4s: NORM_PREP_ILP groups per warp at once (their
-// shuffle chains interleaved; NORM_CACHE % NORM_PREP_ILP == 0), 0 = one group after another.
-#ifndef NORM_PREP_ILP
-#define NORM_PREP_ILP 0
-#endif
-
 __device__ __forceinline__ float4 norm_add4(float4 p, float4 q) {
     return make_float4(p.x + q.x, p.y + q.y, p.z + q.z, p.w + q.w);
 }
@@ -88,33 +82,6 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
             s = norm_sq4(s, v);
         }
         const float r = rsqrtf(block_sum(s, scratch) / (float)d + eps);
-#if NORM_PREP_ILP
-        // The cached float4s' groups prepared NORM_PREP_ILP at a time, their chains interleaved
-        // (q4c_prep_groups): slot j is group row_group + warp + j · warps of the block.
-        float4 o[NORM_CACHE];
-        int nv = 0;  // valid slots of this warp (i < d4 is warp-uniform)
-#pragma unroll
-        for (int j = 0; j < NORM_CACHE; j++) {
-            const u64 i = threadIdx.x + (u64)j * blockDim.x;
-            o[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (i < d4) {
-                o[j] = norm_scale4(c[j], r, wc[j], off);
-                ((float4*)y)[i] = o[j];
-                nv = j + 1;
-            }
-        }
-        if (prep) {
-            const u64 g0 = row_group + (threadIdx.x >> 5), gs = blockDim.x >> 5;
-#pragma unroll
-            for (int j0 = 0; j0 < NORM_CACHE; j0 += NORM_PREP_ILP) {
-                if (j0 >= nv) break;
-                if (prep == PREP_I8C)
-                    q4c_prep_groups<false, NORM_PREP_ILP>(o + j0, xf, g0 + j0 * gs, gs, nv - j0, lane);
-                else
-                    q4c_prep_groups<true, NORM_PREP_ILP>(o + j0, xf, g0 + j0 * gs, gs, nv - j0, lane);
-            }
-        }
-#else
 #pragma unroll
         for (int j = 0; j < NORM_CACHE; j++) {
             const u64 i = threadIdx.x + (u64)j * blockDim.x;
@@ -124,7 +91,6 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
                 q4c_prep_group(prep, o, xf, row_group + i / 32, lane);
             }
         }
-#endif
         for (u64 i = threadIdx.x + (u64)NORM_CACHE * blockDim.x; i < d4; i += blockDim.x) {
             const float4 v = ADD ? norm_add4(A[i], B[i]) : A[i];
             const float4 o = norm_scale4(v, r, norm_w4(w, dt, i), off);
