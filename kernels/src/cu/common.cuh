@@ -140,33 +140,6 @@ __device__ __forceinline__ void q4i8_prep_group(const float4 v, uint4* __restric
     for (int p = 0; p < 3; p++) other[p] = __shfl_xor_sync(0xffffffffu, part[p], 1);
     // Lane l holds k = 4l .. 4l + 3 of the group: tq = l / 8, wd = (l / 2) % 4, and the even lane
     // of a pair the first four of the 8-run (bytes j = 0, 1 of b0 and b1), its partner j = 2, 3.
-    if (COLS) {
-        uint2* base2 = (uint2*)dst;
-        if ((lane & 1) == 0) {
-            const int tq = lane >> 3, wd = (lane >> 1) & 3;
-            u32 b0[3], b1[3];
-#pragma unroll
-            for (int p = 0; p < 3; p++) {
-                if (NL) {
-                    b0[p] = part[p];
-                    b1[p] = other[p];
-                } else {
-                    b0[p] = (part[p] & 0xffffu) | (other[p] << 16);
-                    b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
-                }
-            }
-            uint2* q = base2 + wd * 12 + tq;
-            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
-            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
-            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
-        }
-        if (lane == 0) {
-            base2[48] = make_uint2(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s10));
-            base2[49] = make_uint2(__float_as_uint(xs * 65536.0f), NL ? 0u : (u32)(-8 * s2));
-        }
-        return;
-    }
-    uint4* base = dst;
     if ((lane & 1) == 0) {
         const int tq = lane >> 3, wd = (lane >> 1) & 3;
         u32 b0[3], b1[3];
@@ -180,10 +153,24 @@ __device__ __forceinline__ void q4i8_prep_group(const float4 v, uint4* __restric
                 b1[p] = (part[p] >> 16) | (other[p] & 0xffff0000u);
             }
         }
-        base[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
-        ((uint2*)(base + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
+        if (COLS) {
+            uint2* q = (uint2*)dst + wd * 12 + tq;
+            q[0] = make_uint2(b0[1], b1[1]);  // part 0: x1
+            q[4] = make_uint2(b0[0], b1[0]);  // part 1: x0
+            q[8] = make_uint2(b0[2], b1[2]);  // part 2: x2
+        } else {
+            dst[wd * 4 + tq] = make_uint4(b0[2], b1[2], b0[1], b1[1]);
+            ((uint2*)(dst + 16))[wd * 4 + tq] = make_uint2(b0[0], b1[0]);
+        }
     }
-    if (lane == 0) base[24] = make_uint4(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s2), NL ? 0u : (u32)(-8 * s10), 0u);
+    if (lane == 0) {
+        if (COLS) {
+            ((uint2*)dst)[48] = make_uint2(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s10));
+            ((uint2*)dst)[49] = make_uint2(__float_as_uint(xs * 65536.0f), NL ? 0u : (u32)(-8 * s2));
+        } else {
+            dst[24] = make_uint4(__float_as_uint(xs), NL ? 0u : (u32)(-8 * s2), NL ? 0u : (u32)(-8 * s10), 0u);
+        }
+    }
 }
 
 // A producer's x prep of group `group` (flat index: token · K/128 + group of the token) into xf.
