@@ -15,9 +15,10 @@
 # STAGE 2 (≈ 7 min): 27B-geometry benches: bf16 decode at 8/32/256 Ki (plain and draft 3), a 4 Ki
 #   prefill (--fill prefill), q4_g128 / q8_0 / fp8_e4m3 at 32/256 Ki.
 # STAGE 3: compute-sanitizer memcheck and racecheck on the op, attention and GDN suites.
-# STAGE 4 (≈ 5 min): an environment switch A/B on 27B decode: AB_ENV (default
-#   KVSTREAM_Q4_FUSED_PREP) = 1 then 0, AB_WEIGHTS (default q4_g128) at AB_CONTEXTS (default
-#   8Ki,32Ki,256Ki), plain and draft 3.
+# STAGE 4 (≈ 5 min): environment-setting variants A/B'd on 27B decode: AB_VARIANTS (see the
+#   stage; default AB_ENV=1 then 0 with AB_ENV=KVSTREAM_Q4_FUSED_PREP), AB_WEIGHTS (default
+#   q4_g128) at AB_CONTEXTS (default 8Ki,32Ki,256Ki) and AB_DRAFTS (default 0,3), AB_ROUNDS
+#   alternating rounds; AB_TESTS test binaries once per variant first.
 # Summary lines go to stdout (the reliable channel back) and $OUT/summary.txt.
 set -u
 D=.device-bin
@@ -72,12 +73,34 @@ elif [ "$STAGE" = 2 ]; then
     roofline "bench-$w" 6
   done
 elif [ "$STAGE" = 4 ]; then
+  # AB_VARIANTS: 'tag:ENV=VAL ENV=VAL;tag:...' (an empty list of settings = the default build),
+  # each run AB_ROUNDS times (default 1), the variants alternating within a round. AB_TESTS: test
+  # binaries (and an optional name filter after '@', e.g. 'test-ops_vs_cpu@norm') run once per
+  # variant first. Without AB_VARIANTS: AB_ENV (default KVSTREAM_Q4_FUSED_PREP) = 1 then 0.
   AB_ENV=${AB_ENV:-KVSTREAM_Q4_FUSED_PREP}
-  for v in 1 0; do
-    step "ab-$AB_ENV-$v" "${T_AB:-140}" env "$AB_ENV=$v" "${BENCH[@]}" \
-      --contexts "${AB_CONTEXTS:-8Ki,32Ki,256Ki}" --spec-draft-n-max 0,3 \
-      --weights "${AB_WEIGHTS:-q4_g128}" --out "$OUT/ab-$v"
-    roofline "ab-$AB_ENV-$v" 12
+  IFS=';' read -r -a variants <<<"${AB_VARIANTS:-on:$AB_ENV=1;off:$AB_ENV=0}"
+  for v in "${variants[@]}"; do
+    tag=${v%%:*}
+    read -r -a envs <<<"${v#*:}"
+    i=0
+    for t in ${AB_TESTS:-}; do
+      i=$((i + 1))
+      filt=()
+      [ "${t#*@}" != "$t" ] && filt=("${t#*@}")
+      step "t$i-${t%%@*}-$tag" "${T_TEST:-120}" env "${envs[@]}" "$D/${t%%@*}" --include-ignored \
+        --test-threads=1 "${filt[@]}"
+      grep -hE "^test .*FAILED|panicked|test result" "$OUT/t$i-${t%%@*}-$tag.log" | head -4
+    done
+  done
+  for r in $(seq 1 "${AB_ROUNDS:-1}"); do
+    for v in "${variants[@]}"; do
+      tag=${v%%:*}
+      read -r -a envs <<<"${v#*:}"
+      step "ab-$tag-$r" "${T_AB:-140}" env "${envs[@]}" "${BENCH[@]}" \
+        --contexts "${AB_CONTEXTS:-8Ki,32Ki,256Ki}" --spec-draft-n-max "${AB_DRAFTS:-0,3}" \
+        --weights "${AB_WEIGHTS:-q4_g128}" --out "$OUT/ab-$tag-$r"
+      roofline "ab-$tag-$r" 12
+    done
   done
 else
   for tool in memcheck racecheck; do

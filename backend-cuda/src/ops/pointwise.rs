@@ -30,11 +30,14 @@ pub(super) fn norm_rows(
 /// Environment switch: `1` runs the RMSNorms of rows of 4,096 values or more (the model's hidden
 /// size) with 512 threads per row instead of 256 (`0`: 256 everywhere). A function of `d` only,
 /// never of the row count, so a row's result does not depend on how many rows are normed with it
-/// (MTP verification relies on that). Unset: [`WIDE_NORM_DEFAULT`].
+/// (MTP verification relies on that). Unset: [`WIDE_NORM_DEFAULT`]. With the fused x prep a warp
+/// of a single-row norm prepares its 128-groups one after another: 512 threads halve that chain
+/// (27B q4_g128 decode on an H100, session 16: −4.8% at 8 Ki, −5.1% at 32 Ki, docs/benchmarks.md).
+/// 1,024 threads would not launch (the kernels use ~90 registers).
 pub const WIDE_NORM_ENV: &str = "KVSTREAM_NORM_WIDE";
 
 /// Whether [`WIDE_NORM_ENV`] is on when unset.
-pub const WIDE_NORM_DEFAULT: bool = false;
+pub const WIDE_NORM_DEFAULT: bool = true;
 
 /// Threads per block of `rms_norm_f32` / `add_rms_norm_f32` for rows of `d` values.
 fn norm_threads(d: usize) -> u32 {

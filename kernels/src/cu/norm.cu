@@ -2,7 +2,7 @@
 
 // Float4s of a row each thread keeps in registers between the sum of squares and the scaling:
 // rows up to NORM_CACHE · 4 · blockDim values (8,192 with 256 threads, 16,384 with the 512 the
-// launcher gives rows of 4,096 values or more under KVSTREAM_NORM_WIDE: the RMSNorm kernels carry no
+// launcher gives rows of 4,096 values or more unless KVSTREAM_NORM_WIDE=0: the RMSNorm kernels carry no
 // __launch_bounds__, which changed the default build's register allocation, and use <= 128
 // registers, so 512-thread blocks launch) are read
 // from memory once, with all of a thread's loads in flight together (a loop that waits on each
