@@ -7,7 +7,9 @@
 //!   kernel; the other formats on the default choice and, where that is the stream-K kernel,
 //!   also on gemv_pipe; each row names the kernel that ran; the column-packed integer q4 kernel
 //!   also with x prepared by its producer, "(i8c, x prepared)": the GEMV without its x-prep
-//!   launch, as decode runs it under the fused x prep);
+//!   launch, as decode runs it under the fused x prep); the timed calls cycle through copies of
+//!   the weight that together exceed `KVSTREAM_BENCH_ROTATE_MIB` (default 512 MiB; `copies=` on
+//!   each row), so no call finds its weight in L2 — a decode step reads each weight once;
 //! * prefill GEMM TFLOP/s (bf16, q4_g128; T = 512 and 4096; MLP gate/up and down) on cuBLAS and
 //!   on the SIMT kernel (`KVSTREAM_BENCH_SKIP_GEMM=1` skips);
 //! * H2D copy-engine GB/s from registered (pinned) host memory at 256 KiB, 4 MiB and 16 MiB
@@ -95,6 +97,18 @@ fn time_graph<F: FnMut() -> Result<(), Box<dyn Error>>>(
     }
     b.synchronize()?;
     Ok(t0.elapsed().as_secs_f64() / (replays * per_graph) as f64)
+}
+
+/// How many copies of a `bytes`-byte weight the GEMV rows cycle through: together at least
+/// `KVSTREAM_BENCH_ROTATE_MIB` MiB (default 512, ten times an H100's or H200's 50 MiB L2; `0`:
+/// one copy, every call re-reading the same weight as the rows of sessions ≤ 16 did), so a timed
+/// call never finds its weight in L2, as in a decode step that reads each weight once.
+fn rotation_copies(bytes: usize) -> usize {
+    let mib = std::env::var("KVSTREAM_BENCH_ROTATE_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(512);
+    (mib << 20).div_ceil(bytes.max(1)).clamp(1, 64)
 }
 
 /// `NxK,NxK,...` as (rows, columns) pairs.
@@ -392,13 +406,21 @@ fn main() -> Result<(), Box<dyn Error>> {
             }
             let blob = synthetic_blob(dt, n, k, &mut rng)?;
             let bytes = blob.len();
-            let wt = b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?;
+            // Copies of the weight the timed calls cycle through (see `rotation_copies`): a
+            // decode step reads each weight once, so no call may find its weight in L2.
+            let copies = rotation_copies(bytes);
+            let mut wts = Vec::with_capacity(copies);
+            for _ in 1..copies {
+                wts.push(b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob.clone()))?);
+            }
+            wts.push(b.load_weight("w", dt, &[n, k], WeightData::from_vec(blob))?);
+            let wt = &wts[0];
             // q4_g128: the tensor-core kernels (integer, split bf16) and the SIMT one; q4_nl_g128
             // (the lookup-cost A/B against the q4_g128 rows): the same three. The other
             // formats: the default choice, and the stream-K kernel as well where its Auto rule
             // would take it (KVSTREAM_GEMV_SK A/B in one run).
             b.set_gemv_sk(GemvSk::Auto);
-            let sk_auto = b.matmul_kernel(&wt, 1).starts_with("gemv_sk_");
+            let sk_auto = b.matmul_kernel(wt, 1).starts_with("gemv_sk_");
             b.set_gemv_sk(default_sk);
             let paths: Vec<GemvPath> = if dt.is_q4() {
                 vec![
@@ -451,26 +473,26 @@ fn main() -> Result<(), Box<dyn Error>> {
                         xt
                     };
                     let tag = if prepared { " (i8c, x prepared)" } else { tag };
-                    let secs = time(&b, 50, || {
-                        b.matmul(&xt, &wt)?;
+                    let mut next = 0usize;
+                    let mut call = || -> Result<(), Box<dyn Error>> {
+                        b.matmul(&xt, &wts[next % copies])?;
+                        next += 1;
                         Ok(())
-                    })?;
-                    let gsecs = time_graph(&b, 20, 10, || {
-                        b.matmul(&xt, &wt)?;
-                        Ok(())
-                    })?;
+                    };
+                    let secs = time(&b, 50.max(copies), &mut call)?;
+                    let gsecs = time_graph(&b, 20.max(copies), 10, &mut call)?;
                     let gbs = bytes as f64 / secs / 1e9;
                     let ggbs = bytes as f64 / gsecs / 1e9;
                     out!(
                         report,
                         "gemv {:<8} [{n}x{k}] T={t}: {:>8.1} us, {gbs:>5.0} GB/s ({:>3.0}% of HBM read); \
-                         graph {:>8.1} us, {ggbs:>5.0} GB/s ({:>3.0}%){tag} [{}]",
+                         graph {:>8.1} us, {ggbs:>5.0} GB/s ({:>3.0}%){tag} [{}] copies={copies}",
                         dt.name(),
                         secs * 1e6,
                         100.0 * gbs / hbm,
                         gsecs * 1e6,
                         100.0 * ggbs / hbm,
-                        b.matmul_kernel(&wt, t)
+                        b.matmul_kernel(wt, t)
                     )?;
                 }
             }
