@@ -73,7 +73,43 @@ fn row_cfg(rows: usize) -> LaunchConfig {
     }
 }
 
+/// Environment switch: `1` launches the RMSNorms, SwiGLU and sigmoid gate that write a q4 GEMV's
+/// prepared x (the fused x prep) as programmatic dependents of the kernel before them (`0`:
+/// normally). As dependents they start while that kernel (a q4 GEMV, which triggers at its
+/// start) still runs and wait in `griddepcontrol.wait` for its completion, so their launch and the
+/// first weight loads of the GEMV after them (a dependent of theirs) overlap its tail (with the
+/// GEMV's `QC_EARLY_TRIGGER`, gemv_mma.cu). Unset: [`PRODUCER_PDL_DEFAULT`] (off until measured on
+/// a GPU).
+pub const PRODUCER_PDL_ENV: &str = "KVSTREAM_PDL_PRODUCERS";
+
+/// Whether [`PRODUCER_PDL_ENV`] is on when unset.
+pub const PRODUCER_PDL_DEFAULT: bool = false;
+
+fn producer_pdl() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var(PRODUCER_PDL_ENV).map_or(PRODUCER_PDL_DEFAULT, |v| v.trim() != "0")
+    })
+}
+
 impl CudaBackend {
+    /// Launches a kernel that starts with `griddepcontrol.wait` (norm.cu, elementwise.cu): as a
+    /// programmatic dependent when it writes a prepared x and [`PRODUCER_PDL_ENV`] allows.
+    fn launch_producer(
+        &self,
+        op: &'static str,
+        f: &cudarc::driver::CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+        prepares: bool,
+    ) -> Result<(), OpError> {
+        if prepares && producer_pdl() {
+            self.launch_dependent(op, f, cfg, args)
+        } else {
+            self.launch(op, f, cfg, args)
+        }
+    }
+
     /// The fused x prep for a norm output `out` with rows of `d`, when it should carry one: the
     /// kernels prepare whole 128-groups from their vector path, so `d % 128 == 0` and every
     /// pointer the kernel streams (`ptrs`) 16-byte aligned.
@@ -117,7 +153,7 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(op, f, cfg, &mut args)?;
+        self.launch_producer(op, f, cfg, &mut args, true)?;
         out.prepared = Some(prep);
         Ok(out)
     }
@@ -147,7 +183,7 @@ impl NormOps for CudaBackend {
         );
         let (xf, pc) = prep_args(prep.as_ref());
         let mut a = args![&xp, &wp, &dt, &d64, &eps, &unit_offset, &yp, &xf, &pc];
-        self.launch("rms_norm", f, norm_cfg(rows, d), &mut a)?;
+        self.launch_producer("rms_norm", f, norm_cfg(rows, d), &mut a, prep.is_some())?;
         out.prepared = prep;
         Ok(out)
     }
@@ -192,7 +228,13 @@ impl NormOps for CudaBackend {
             &xf,
             &pc
         ];
-        self.launch("add_rms_norm", f, norm_cfg(rows, d), &mut args)?;
+        self.launch_producer(
+            "add_rms_norm",
+            f,
+            norm_cfg(rows, d),
+            &mut args,
+            prep.is_some(),
+        )?;
         y.prepared = prep;
         Ok((h, y))
     }
@@ -222,7 +264,7 @@ impl NormOps for CudaBackend {
         );
         let (xf, pc) = prep_args(prep.as_ref());
         let mut a = args![&xp, &zp, &wp, &dt, &d64, &eps, &yp, &xf, &pc];
-        self.launch("gated_rms_norm", f, row_cfg(rows), &mut a)?;
+        self.launch_producer("gated_rms_norm", f, row_cfg(rows), &mut a, prep.is_some())?;
         out.prepared = prep;
         Ok(out)
     }

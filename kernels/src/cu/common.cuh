@@ -84,6 +84,18 @@ __device__ __forceinline__ void grid_launch_dependents() {
 #endif
 }
 
+// The other half: a kernel launched as a programmatic dependent waits here for the previous
+// kernel's completion and memory before it touches anything that kernel (or any before it) wrote.
+// A no-op for a kernel launched normally. The fused-prep producers (RMSNorms, SwiGLU, sigmoid
+// gate) call it first thing, so the launcher may start them as dependents of the q4 GEMV before
+// them (which triggers at its start): their launch, and the next GEMV's first weight loads,
+// overlap that GEMV's tail.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- Integer x prep of the q4 tensor-core GEMVs (layouts documented in gemv_mma.cu) ----
 // Each 128-value group of x is rounded to 22-bit integers with a power-of-two scale and split into
 // three signed bytes in the fragment order the integer GEMVs read (`gemv_q4i8p*`: QI_U4 uint4 per

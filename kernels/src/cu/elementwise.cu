@@ -23,6 +23,7 @@ template <bool SWIGLU>
 __device__ __forceinline__ void gate_prep(const float* __restrict__ a, const float* __restrict__ g,
                                           float* __restrict__ y, u64 n, uint4* __restrict__ xf, int prep) {
     grid_launch_dependents();
+    grid_dependency_wait();  // a programmatic dependent of the GEMV that wrote a / g
     const u64 group = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (group >= n / 128) return;  // warp-uniform

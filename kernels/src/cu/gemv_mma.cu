@@ -77,11 +77,7 @@ __device__ __forceinline__ u32 qm_word(const uint4& v, int i) {
 // kernel launched without the programmatic-serialization attribute.
 __device__ __forceinline__ void qm_grid_launch_dependents() { grid_launch_dependents(); }
 
-__device__ __forceinline__ void qm_grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void qm_grid_wait() { grid_dependency_wait(); }
 
 // Streaming 16-byte load (read once: no L1 allocation). QM_L2_HINT (0, 128 or 256; other values via
 // KVSTREAM_NVRTC_DEFINES for A/B builds) asks L2 to fetch that many bytes around the address: a
@@ -629,7 +625,29 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(
 // xprep layout (QC_U4 = 25 uint4 per (t, G), the size of gemv_q4i8p's), as uint2: [wd·12 + c·4 +
 // tq] = {b0, b1} of part c < 3 (the byte order of gemv_q4i8p's b0/b1), [48] = {f32 xs, −8·S10},
 // [49] = {f32 65536·xs, −8·S2} (q4_nl: corrections 0, parts s8 in its lookup order).
+// The end of a warp's part of a tile (see qp_tile_done for the stream-K split), in pieces so that
+// a warp can publish its two boundary tiles together: the lane pairs are added first
+// (`qc_pair_sums`), then the tile is stored (`qc_store`, the warp owns it all) or its partials
+// written to the warp's scratch slot (`qc_publish`: slot 0 for the first tile of the range, 1 for
+// the last), made visible by one fence, and counted in the tile's counter (`qc_arrive`), where the
+// last of the tile's warps to arrive adds the partials in warp order and stores the tile. Even
+// lanes store token 2p + tq/2, rows g (v[p][0]) and g + 8 (v[p][1]).
 #define QC_SLOT 256  // floats per scratch slot: 4 pairs × 2 rows × 32 lanes
+
+// QC_DEFER_FIRST (1; default 0 until measured on a GPU): a range that starts inside a tile writes that tile's partial sums
+// to its scratch slot when the tile ends (plain stores: the warp goes on) but counts itself in the
+// tile's counter only at the range end, after the last tile's partials, behind one fence. The fence
+// (membar.gl) waits for the warp's outstanding weight loads too, so publishing the first tile
+// where it ends drained the register ring in the middle of the range (ncu, session 16: membar
+// 0.6–1.2 stall cycles per issued instruction). The sums and their order are unchanged.
+#ifndef QC_DEFER_FIRST
+#define QC_DEFER_FIRST 0
+#endif
+// QC_EARLY_TRIGGER (1; default 0 until measured on a GPU): `griddepcontrol.launch_dependents` at the start of the GEMV (see
+// grid_dependency_wait in common.cuh); nothing changes for a next kernel launched normally.
+#ifndef QC_EARLY_TRIGGER
+#define QC_EARLY_TRIGGER 0
+#endif
 
 // An opaque copy of v: the compiler must keep it in a register rather than recompute it.
 __device__ __forceinline__ u32 qc_keep(u32 v) {
@@ -637,73 +655,66 @@ __device__ __forceinline__ u32 qc_keep(u32 v) {
     return v;
 }
 
-// One warp's part of tile `ct` is done (see qp_tile_done): the lane pairs are added first, then the
-// tile is stored (whole tile) or its partials published and added in warp order by the last warp.
-// Even lanes store token 2p + tq/2, rows g (acc[p][0]) and g + 8 (acc[p][1]). Zeroes acc.
 template <int NP>
-__device__ __forceinline__ void qc_tile_done(float (*acc)[2], u32 ct, u32 first_tile, u32 i0, u32 i1, u32 NG,
-                                             u32 W, u32 work, u32 gw, int lane, int g, int tq, int T, u64 N,
-                                             float* __restrict__ y, float* __restrict__ scratch,
-                                             u32* __restrict__ counters) {
-    float v[NP][2];
+__device__ __forceinline__ void qc_pair_sums(const float (*acc)[2], float (*v)[2]) {
 #pragma unroll
     for (int p = 0; p < NP; p++)
 #pragma unroll
         for (int i = 0; i < 2; i++) v[p][i] = acc[p][i] + __shfl_xor_sync(0xffffffffu, acc[p][i], 1);
+}
+
+template <int NP>
+__device__ __forceinline__ void qc_store(const float (*v)[2], u32 ct, int g, int tq, int T, u64 N,
+                                         float* __restrict__ y) {
     const u64 r0 = (u64)ct * 16 + g;
-    const bool storer = (tq & 1) == 0;
-    const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
-    if (tfirst >= i0 && tlast < i1) {
+    if (tq & 1) return;
 #pragma unroll
-        for (int p = 0; p < NP; p++) {
-            const int t = 2 * p + (tq >> 1);
+    for (int p = 0; p < NP; p++) {
+        const int t = 2 * p + (tq >> 1);
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const u64 row = r0 + 8 * i;
-                if (storer && t < T && row < N) y[(u64)t * N + row] = v[p][i];
-            }
+        for (int i = 0; i < 2; i++) {
+            const u64 row = r0 + 8 * i;
+            if (t < T && row < N) y[(u64)t * N + row] = v[p][i];
         }
-    } else {
-        const u32 slot = ct == first_tile ? 0 : 1;
-        float* mine = scratch + ((u64)gw * 2 + slot) * QC_SLOT;
+    }
+}
+
+template <int NP>
+__device__ __forceinline__ void qc_publish(const float (*v)[2], u32 slot, u32 gw, int lane,
+                                           float* __restrict__ scratch) {
+    float* mine = scratch + ((u64)gw * 2 + slot) * QC_SLOT;
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) mine[(p * 2 + i) * 32 + lane] = v[p][i];
+}
+
+// After qc_publish and a fence: count this warp in tile ct; the last to arrive adds the partials.
+template <int NP>
+__device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int lane, int g, int tq, int T, u64 N,
+                                          float* __restrict__ y, float* __restrict__ scratch,
+                                          u32* __restrict__ counters) {
+    const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
+    const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
+    u32 prev = 0;
+    if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    if (prev != w1 - w0) return;
+    // Last to arrive: add the partials in warp order.
+    __threadfence();
+    float s[NP][2];
+#pragma unroll
+    for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
+    for (u32 ow = w0; ow <= w1; ow++) {
+        const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
+        const float* q = scratch + ((u64)ow * 2 + oslot) * QC_SLOT;
 #pragma unroll
         for (int p = 0; p < NP; p++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) mine[(p * 2 + i) * 32 + lane] = v[p][i];
-        __threadfence();
-        __syncwarp();
-        const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
-        u32 prev = 0;
-        if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
-        prev = __shfl_sync(0xffffffffu, prev, 0);
-        if (prev == w1 - w0) {
-            // Last to arrive: add the partials in warp order.
-            __threadfence();
-            float s[NP][2];
-#pragma unroll
-            for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
-            for (u32 ow = w0; ow <= w1; ow++) {
-                const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
-                const float* q = scratch + ((u64)ow * 2 + oslot) * QC_SLOT;
-#pragma unroll
-                for (int p = 0; p < NP; p++)
-#pragma unroll
-                    for (int i = 0; i < 2; i++) s[p][i] += __ldcg(q + (p * 2 + i) * 32 + lane);
-            }
-#pragma unroll
-            for (int p = 0; p < NP; p++) {
-                const int t = 2 * p + (tq >> 1);
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const u64 row = r0 + 8 * i;
-                    if (storer && t < T && row < N) y[(u64)t * N + row] = s[p][i];
-                }
-            }
-            if (lane == 0) counters[ct] = 0u;
-        }
+            for (int i = 0; i < 2; i++) s[p][i] += __ldcg(q + (p * 2 + i) * 32 + lane);
     }
-#pragma unroll
-    for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
+    qc_store<NP>(s, ct, g, tq, T, N, y);
+    if (lane == 0) counters[ct] = 0u;
 }
 
 // NP token pairs (T ≤ 2·NP); NL: q4_nl_g128 codes (table lookup, s8 MMA).
@@ -712,6 +723,9 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                            float* __restrict__ scratch, u32* __restrict__ counters) {
     extern __shared__ __align__(16) uint4 qp_xs[];
+    // The kernel after this one (an RMSNorm / SwiGLU writing the next GEMV's x, launched as a
+    // programmatic dependent) may start now: it waits for this grid's completion before it reads.
+    if (QC_EARLY_TRIGGER) qm_grid_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const u32 NG = (u32)(K / 128);
@@ -781,6 +795,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     if (i0 >= i1) return;
 
     float acc[NP][2];
+    bool first_pending = false;  // the first tile's partials are published, not yet counted
 #pragma unroll
     for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
     u32 ct = first_tile, cg = i0 % NG;
@@ -833,8 +848,33 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
             xg += QC_U4 * 2;
             const bool range_end = j0 + s + 1 == total;
             if (++cg == NG || range_end) {
-                qc_tile_done<NP>(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch,
-                                 counters);
+                const u32 tfirst = ct * NG;
+                const bool whole = tfirst >= i0 && tfirst + NG - 1 < i1;
+                float v[NP][2];
+                qc_pair_sums<NP>(acc, v);
+                if (whole) {
+                    qc_store<NP>(v, ct, g, tq, T, N, y);
+                } else {
+                    qc_publish<NP>(v, ct == first_tile ? 0 : 1, gw, lane, scratch);
+                }
+                // Only the first tile can end partial before the range does; its arrival waits
+                // for the range end (QC_DEFER_FIRST).
+                const bool defer = QC_DEFER_FIRST && !whole && !range_end;
+                if (!defer && (!whole || first_pending)) {
+                    __threadfence();
+                    __syncwarp();
+#pragma unroll 1
+                    for (int k = 0; k < 2; k++) {
+                        const bool arrive = k == 0 ? first_pending : !whole;
+                        if (arrive)
+                            qc_arrive<NP>(k == 0 ? first_tile : ct, NG, W, work, lane, g, tq, T, N, y, scratch,
+                                          counters);
+                    }
+                    first_pending = false;
+                }
+                if (defer) first_pending = true;
+#pragma unroll
+                for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
                 cg = 0;
                 xg = x2;
                 ct++;

@@ -43,6 +43,7 @@ __device__ __forceinline__ void rms_row(const float* __restrict__ a, const float
                                         int prep) {
     __shared__ float scratch[32];
     if (prep) grid_launch_dependents();  // the q4 GEMV reading xf streams its first weights now
+    grid_dependency_wait();              // a programmatic dependent of the GEMV that wrote a / b
     const u64 row = blockIdx.x;
     const int lane = threadIdx.x & 31;
     const u64 row_group = row * (d / 128);
@@ -136,6 +137,7 @@ extern "C" __global__ void gated_rms_norm_f32(const float* x, const float* z, co
                                               float eps, float* y, uint4* __restrict__ xf, int prep) {
     __shared__ float scratch[32];
     if (prep) grid_launch_dependents();
+    grid_dependency_wait();
     const float* xr = x + blockIdx.x * d;
     const float* zr = z + blockIdx.x * d;
     float* yr = y + blockIdx.x * d;
