@@ -5,16 +5,14 @@
 Each warp walks its item range [w·work/W, (w+1)·work/W) of (16-row tile, 128-group) items and, where
 a tile ends or the range does, stores the tile (it owns all of it) or publishes its partial sums to
 its scratch slot (0: the range's first tile, 1: its last) and counts itself in the tile's counter;
-the last of a tile's warps to arrive adds the partials in warp order and stores the tile. With
-QC_DEFER_FIRST = 1 a range that starts inside a tile publishes that tile's partials when the tile
-ends but arrives only at the range end, after the last tile's partials, behind one fence. Warps are
+the last of a tile's warps to arrive adds the partials in warp order and stores the tile. Warps are
 interleaved at random at every fence and every atomic (the kernel's only ordering points). Checks:
 every tile is stored exactly once with the sum of all its items in ascending order (the
 bit-for-bit contract: the order is a function of N, K and W only), no finisher reads a slot that
 is not published or holds another tile, and every counter ends at zero. Keep it in step with the
 kernel when the fix-up changes.
 
-Usage: python3 scripts/q4c_fixup_sim.py [--defer 0|1] [--seeds N]   (exit status 1 on a violation)
+Usage: python3 scripts/q4c_fixup_sim.py [--seeds N]   (exit status 1 on a violation)
 """
 import argparse
 import random
@@ -33,21 +31,19 @@ class Violation(Exception):
     pass
 
 
-def warp(gw, W, work, NG, defer, st):
+def warp(gw, W, work, NG, st):
     """One warp of q4i8c_body's loop; yields at each ordering point."""
     i0, i1 = qp_start(gw, W, work), qp_start(gw + 1, W, work)
     if i0 >= i1:
         return
     first_tile = i0 // NG
     ct, cg = first_tile, i0 % NG
-    first_pending = False
     acc = []
     total = i1 - i0
     for j in range(total):
         acc.append(i0 + j)
-        range_end = j + 1 == total
         cg += 1
-        if cg == NG or range_end:
+        if cg == NG or j + 1 == total:
             tfirst = ct * NG
             whole = tfirst >= i0 and tfirst + NG - 1 < i1
             if whole:
@@ -57,21 +53,11 @@ def warp(gw, W, work, NG, defer, st):
                 if (gw, slot) in st["scratch"]:
                     raise Violation(f"warp {gw} publishes slot {slot} twice")
                 st["scratch"][(gw, slot)] = (ct, tuple(acc))
-            is_deferred = defer and not whole and not range_end
-            if not is_deferred and (not whole or first_pending):
                 yield "fence"
-                for k in range(2):
-                    arrive = first_pending if k == 0 else not whole
-                    if arrive:
-                        yield from arrive_at(first_tile if k == 0 else ct, W, work, NG, st)
-                first_pending = False
-            if is_deferred:
-                first_pending = True
+                yield from arrive_at(ct, W, work, NG, st)
             acc = []
             cg = 0
             ct += 1
-    if first_pending:
-        raise Violation(f"warp {gw} ends with its first tile not counted")
 
 
 def arrive_at(ct, W, work, NG, st):
@@ -99,13 +85,13 @@ def store(st, ct, items):
     st["y"][ct] = items
 
 
-def run(N, K, W, defer, seed):
+def run(N, K, W, seed):
     NG = K // 128
     tiles = (N + 15) // 16
     work = tiles * NG
     assert work >= W  # q4_mmap_plan: blocks <= work / 8
     st = {"scratch": {}, "counters": {}, "y": {}}
-    live = [warp(gw, W, work, NG, defer, st) for gw in range(W)]
+    live = [warp(gw, W, work, NG, st) for gw in range(W)]
     rng = random.Random(seed)
     while live:
         i = rng.randrange(len(live))
@@ -124,7 +110,6 @@ def run(N, K, W, defer, seed):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--defer", type=int, choices=[0, 1], action="append")
     ap.add_argument("--seeds", type=int, default=3)
     a = ap.parse_args()
     # (N, K, W): ragged ranges (W not dividing work), ranges inside one tile, ranges spanning
@@ -132,14 +117,13 @@ def main():
     shapes = [(64, 1024, 8), (100, 384, 16), (1000, 1024, 48), (264, 5120, 40), (48, 256, 6),
               (16, 1280, 10), (5120, 6144, 2112), (16384, 5120, 2112), (5120, 17408, 2112)]
     bad = 0
-    for defer in a.defer or [0, 1]:
-        for (N, K, W) in shapes:
-            for seed in range(a.seeds):
-                try:
-                    run(N, K, W, defer, seed)
-                except Violation as e:
-                    bad += 1
-                    print(f"defer={defer} N={N} K={K} W={W} seed={seed}: {e}")
+    for (N, K, W) in shapes:
+        for seed in range(a.seeds):
+            try:
+                run(N, K, W, seed)
+            except Violation as e:
+                bad += 1
+                print(f"N={N} K={K} W={W} seed={seed}: {e}")
     print(f"{'FAILED' if bad else 'ok'}: {bad} violations")
     return 1 if bad else 0
 

@@ -75,15 +75,14 @@ fn row_cfg(rows: usize) -> LaunchConfig {
 
 /// Environment switch: `1` launches the RMSNorms, SwiGLU and sigmoid gate that write a q4 GEMV's
 /// prepared x (the fused x prep) as programmatic dependents of the kernel before them (`0`:
-/// normally). As dependents they start while that kernel (a q4 GEMV, which triggers at its
-/// start) still runs and wait in `griddepcontrol.wait` for its completion, so their launch and the
-/// first weight loads of the GEMV after them (a dependent of theirs) overlap its tail (with the
-/// GEMV's `QC_EARLY_TRIGGER`, gemv_mma.cu). Unset: [`PRODUCER_PDL_DEFAULT`] (off until measured on
-/// a GPU).
+/// normally). As dependents they are launched while that kernel (a q4 GEMV) drains, and wait in
+/// `griddepcontrol.wait` for its completion before they read, so their launch latency hides
+/// behind its tail. Unset: [`PRODUCER_PDL_DEFAULT`] (on: 27B q4_g128 decode on an H100, session
+/// 17, -2.6 to -3.0% per step at 8 Ki and 32 Ki with and without MTP-3, see docs/benchmarks.md).
 pub const PRODUCER_PDL_ENV: &str = "KVSTREAM_PDL_PRODUCERS";
 
 /// Whether [`PRODUCER_PDL_ENV`] is on when unset.
-pub const PRODUCER_PDL_DEFAULT: bool = false;
+pub const PRODUCER_PDL_DEFAULT: bool = true;
 
 fn producer_pdl() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

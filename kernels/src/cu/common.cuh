@@ -87,9 +87,9 @@ __device__ __forceinline__ void grid_launch_dependents() {
 // The other half: a kernel launched as a programmatic dependent waits here for the previous
 // kernel's completion and memory before it touches anything that kernel (or any before it) wrote.
 // A no-op for a kernel launched normally. The fused-prep producers (RMSNorms, SwiGLU, sigmoid
-// gate) call it first thing, so the launcher may start them as dependents of the q4 GEMV before
-// them (which triggers at its start): their launch, and the next GEMV's first weight loads,
-// overlap that GEMV's tail.
+// gate) call it first thing, so the launcher starts them as dependents of the q4 GEMV before them
+// (whose blocks trigger implicitly as they exit): their launch overlaps that GEMV's tail
+// (KVSTREAM_PDL_PRODUCERS, backend-cuda/src/ops/pointwise.rs).
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -329,8 +329,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             acc[1] = fmaf(qa, ch[1] + cl[1], acc[1]);
             acc[2] = fmaf(qb, ch[2] + cl[2], acc[2]);
             acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
-            const bool range_end = j0 + s + 1 == total;
-            if (++cg == NG || range_end) {
+            if (++cg == NG || j0 + s + 1 == total) {
                 qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
@@ -564,8 +563,7 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
                 acc[1] = fmaf(qi_value(c2, c1, c0, 1, m1), __fmul_rn(xb1, qa), acc[1]);
                 acc[3] = fmaf(qi_value(c2, c1, c0, 3, m1), __fmul_rn(xb1, qb), acc[3]);
             }
-            const bool range_end = j0 + s + 1 == total;
-            if (++cg == NG || range_end) {
+            if (++cg == NG || j0 + s + 1 == total) {
                 qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
@@ -625,29 +623,14 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(
 // xprep layout (QC_U4 = 25 uint4 per (t, G), the size of gemv_q4i8p's), as uint2: [wd·12 + c·4 +
 // tq] = {b0, b1} of part c < 3 (the byte order of gemv_q4i8p's b0/b1), [48] = {f32 xs, −8·S10},
 // [49] = {f32 65536·xs, −8·S2} (q4_nl: corrections 0, parts s8 in its lookup order).
-// The end of a warp's part of a tile (see qp_tile_done for the stream-K split), in pieces so that
-// a warp can publish its two boundary tiles together: the lane pairs are added first
+// The end of a warp's part of a tile (see qp_tile_done for the stream-K split), in pieces: the
+// lane pairs are added first
 // (`qc_pair_sums`), then the tile is stored (`qc_store`, the warp owns it all) or its partials
 // written to the warp's scratch slot (`qc_publish`: slot 0 for the first tile of the range, 1 for
 // the last), made visible by one fence, and counted in the tile's counter (`qc_arrive`), where the
 // last of the tile's warps to arrive adds the partials in warp order and stores the tile. Even
 // lanes store token 2p + tq/2, rows g (v[p][0]) and g + 8 (v[p][1]).
 #define QC_SLOT 256  // floats per scratch slot: 4 pairs × 2 rows × 32 lanes
-
-// QC_DEFER_FIRST (1; default 0 until measured on a GPU): a range that starts inside a tile writes that tile's partial sums
-// to its scratch slot when the tile ends (plain stores: the warp goes on) but counts itself in the
-// tile's counter only at the range end, after the last tile's partials, behind one fence. The fence
-// (membar.gl) waits for the warp's outstanding weight loads too, so publishing the first tile
-// where it ends drained the register ring in the middle of the range (ncu, session 16: membar
-// 0.6–1.2 stall cycles per issued instruction). The sums and their order are unchanged.
-#ifndef QC_DEFER_FIRST
-#define QC_DEFER_FIRST 0
-#endif
-// QC_EARLY_TRIGGER (1; default 0 until measured on a GPU): `griddepcontrol.launch_dependents` at the start of the GEMV (see
-// grid_dependency_wait in common.cuh); nothing changes for a next kernel launched normally.
-#ifndef QC_EARLY_TRIGGER
-#define QC_EARLY_TRIGGER 0
-#endif
 
 // An opaque copy of v: the compiler must keep it in a register rather than recompute it.
 __device__ __forceinline__ u32 qc_keep(u32 v) {
@@ -723,9 +706,6 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff,
                                            float* __restrict__ scratch, u32* __restrict__ counters) {
     extern __shared__ __align__(16) uint4 qp_xs[];
-    // The kernel after this one (an RMSNorm / SwiGLU writing the next GEMV's x, launched as a
-    // programmatic dependent) may start now: it waits for this grid's completion before it reads.
-    if (QC_EARLY_TRIGGER) qm_grid_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const u32 NG = (u32)(K / 128);
@@ -795,7 +775,6 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     if (i0 >= i1) return;
 
     float acc[NP][2];
-    bool first_pending = false;  // the first tile's partials are published, not yet counted
 #pragma unroll
     for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
     u32 ct = first_tile, cg = i0 % NG;
@@ -846,8 +825,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                 acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
             }
             xg += QC_U4 * 2;
-            const bool range_end = j0 + s + 1 == total;
-            if (++cg == NG || range_end) {
+            if (++cg == NG || j0 + s + 1 == total) {
                 const u32 tfirst = ct * NG;
                 const bool whole = tfirst >= i0 && tfirst + NG - 1 < i1;
                 float v[NP][2];
@@ -857,22 +835,11 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                 } else {
                     qc_publish<NP>(v, ct == first_tile ? 0 : 1, gw, lane, scratch);
                 }
-                // Only the first tile can end partial before the range does; its arrival waits
-                // for the range end (QC_DEFER_FIRST).
-                const bool defer = QC_DEFER_FIRST && !whole && !range_end;
-                if (!defer && (!whole || first_pending)) {
+                if (!whole) {
                     __threadfence();
                     __syncwarp();
-#pragma unroll 1
-                    for (int k = 0; k < 2; k++) {
-                        const bool arrive = k == 0 ? first_pending : !whole;
-                        if (arrive)
-                            qc_arrive<NP>(k == 0 ? first_tile : ct, NG, W, work, lane, g, tq, T, N, y, scratch,
-                                          counters);
-                    }
-                    first_pending = false;
+                    qc_arrive<NP>(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
                 }
-                if (defer) first_pending = true;
 #pragma unroll
                 for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
                 cg = 0;
