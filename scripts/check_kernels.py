@@ -40,6 +40,18 @@ def find_nvrtc(explicit):
     return "libnvrtc.so.13"
 
 
+def load_nvrtc(path):
+    """The NVRTC library at `path` (raises OSError)."""
+    # libnvrtc dlopen()s libnvrtc-builtins by soname: load it first from the same folder.
+    for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+        if ".alt." not in b:
+            try:
+                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
+    return ctypes.CDLL(path)
+
+
 def expected_kernels():
     """module name -> kernel names, parsed from the Rust table in kernels/src/lib.rs."""
     text = open(LIB_RS, encoding="utf-8").read()
@@ -56,15 +68,8 @@ def main():
     ap.add_argument("--define", action="append", default=[], help="NAME[=VAL], passed as -D")
     args = ap.parse_args()
     path = find_nvrtc(args.lib)
-    # libnvrtc dlopen()s libnvrtc-builtins by soname: load it first from the same folder.
-    for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
-        if ".alt." not in b:
-            try:
-                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                pass
     try:
-        lib = ctypes.CDLL(path)
+        lib = load_nvrtc(path)
     except OSError as e:
         print(f"cannot load NVRTC from {path}: {e}", file=sys.stderr)
         return 2

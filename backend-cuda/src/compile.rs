@@ -9,7 +9,7 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 use kvstream_kernels::{KernelModule, NVRTC_OPTIONS};
 use sha2::{Digest, Sha256};
 use std::ffi::CString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Why a module could not be compiled.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -93,10 +93,44 @@ fn parse_defines(v: &str) -> Vec<String> {
         .collect()
 }
 
+/// Environment variable naming a directory of kernel sources (`common.cuh` and `<module>.cu`,
+/// the layout of `kernels/src/cu`) that replace the embedded ones, so a kernel edit can be timed
+/// on a GPU machine without rebuilding the binaries (`KVSTREAM_KERNEL_SRC=kernels/src/cu` in a
+/// copy of the working tree). A file that cannot be read keeps the embedded source (with a
+/// warning). The kernel names still come from the embedded table. Part of the cache key (through
+/// the source).
+pub const KERNEL_SRC_ENV: &str = "KVSTREAM_KERNEL_SRC";
+
+/// The full source NVRTC compiles for `module`: the embedded one, or the files of [`KERNEL_SRC_ENV`].
+pub fn module_source(module: &KernelModule) -> String {
+    match std::env::var_os(KERNEL_SRC_ENV) {
+        Some(dir) => source_from_dir(module, Path::new(&dir)),
+        None => module.full_source(),
+    }
+}
+
+/// [`module_source`] with the sources of `dir`.
+fn source_from_dir(module: &KernelModule, dir: &Path) -> String {
+    let read = |name: &str, embedded: &str| match std::fs::read_to_string(dir.join(name)) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(file = %dir.join(name).display(), error = %e, "{KERNEL_SRC_ENV}: keeping the embedded source");
+            embedded.to_string()
+        }
+    };
+    let common = read("common.cuh", kvstream_kernels::COMMON);
+    let own = read(&format!("{}.cu", module.module), module.source);
+    let mut s = String::with_capacity(common.len() + own.len() + 1);
+    s.push_str(&common);
+    s.push('\n');
+    s.push_str(&own);
+    s
+}
+
 /// The cache key of `module` for `arch` (e.g. `sm_90`) and NVRTC `version`.
 pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> String {
     let mut h = Sha256::new();
-    h.update(module.full_source().as_bytes());
+    h.update(module_source(module).as_bytes());
     for o in NVRTC_OPTIONS
         .iter()
         .map(|s| s.to_string())
@@ -149,7 +183,7 @@ fn nvrtc_err(module: &'static str, detail: impl Into<String>) -> CompileError {
 
 fn compile_uncached(module: &KernelModule, arch: &str) -> Result<Vec<u8>, CompileError> {
     let name = module.module;
-    let src = CString::new(module.full_source()).map_err(|e| nvrtc_err(name, e.to_string()))?;
+    let src = CString::new(module_source(module)).map_err(|e| nvrtc_err(name, e.to_string()))?;
     let fname = CString::new(format!("{name}.cu")).map_err(|e| nvrtc_err(name, e.to_string()))?;
     let prog = nvrtc_result::create_program(&src, Some(&fname))
         .map_err(|e| nvrtc_err(name, format!("create: {e:?}")))?;
@@ -205,6 +239,33 @@ mod tests {
         );
         assert!(parse_defines("").is_empty());
         assert!(parse_defines("1X=2,NOVALUE,A=,B=x y,C=-1").is_empty());
+    }
+
+    #[test]
+    fn kernel_src_dir_replaces_the_embedded_files_it_has() {
+        let m = kvstream_kernels::MODULES
+            .iter()
+            .find(|m| m.module == "norm")
+            .expect("norm module");
+        let dir = std::env::temp_dir().join(format!("kvstream-ksrc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Only the module file: common.cuh stays the embedded one.
+        std::fs::write(dir.join("norm.cu"), "// edited norm\n").unwrap();
+        let s = source_from_dir(m, &dir);
+        assert!(s.starts_with(kvstream_kernels::COMMON));
+        assert!(s.ends_with("// edited norm\n"));
+        assert!(!s.contains(m.source));
+        // Both files.
+        std::fs::write(dir.join("common.cuh"), "// edited common\n").unwrap();
+        assert_eq!(
+            source_from_dir(m, &dir),
+            "// edited common\n\n// edited norm\n"
+        );
+        // A directory without the files keeps the embedded source.
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        assert_eq!(source_from_dir(m, &empty), m.full_source());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
