@@ -69,8 +69,13 @@ def arrive_at(ct, W, work, NG, st):
     if prev != w1 - w0:
         return
     items = []
+    # The kernel's slot rule: every warp after w0 starts its range inside the tile (slot 0); w0
+    # used slot 1 unless its range starts at the tile's first item.
+    s0 = 1 if qp_start(w0, W, work) < tfirst else 0
     for ow in range(w0, w1 + 1):
-        oslot = 0 if ct == qp_start(ow, W, work) // NG else 1
+        oslot = s0 if ow == w0 else 0
+        if oslot != (0 if ct == qp_start(ow, W, work) // NG else 1):
+            raise Violation(f"tile {ct}: the slot rule picks slot {oslot} for warp {ow}")
         got = st["scratch"].get((ow, oslot))
         if got is None or got[0] != ct:
             raise Violation(f"tile {ct}: warp {ow} slot {oslot} holds {got}")

@@ -632,6 +632,26 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(
 // lanes store token 2p + tq/2, rows g (v[p][0]) and g + 8 (v[p][1]).
 #define QC_SLOT 256  // floats per scratch slot: 4 pairs × 2 rows × 32 lanes
 
+// The fix-up's fences (publish: partials, fence, relaxed atomic; finish: atomic, fence, loads).
+// QC_FENCE 0: __threadfence() (fence.sc.gpu, MEMBAR.SC); 1: fence.acq_rel.gpu, which the PTX
+// memory model's release and acquire patterns need and no more (A/B builds via
+// KVSTREAM_NVRTC_DEFINES).
+#ifndef QC_FENCE
+#define QC_FENCE 0
+#endif
+// QC_FIN_BATCH: partial-sum slots the finisher of a shared tile loads at once, per token pair
+// (1: one L2 round trip per contributing warp; A/B builds via KVSTREAM_NVRTC_DEFINES).
+#ifndef QC_FIN_BATCH
+#define QC_FIN_BATCH 1
+#endif
+__device__ __forceinline__ void qc_fence() {
+#if QC_FENCE == 1
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
+
 // An opaque copy of v: the compiler must keep it in a register rather than recompute it.
 __device__ __forceinline__ u32 qc_keep(u32 v) {
     asm volatile("" : "+r"(v));
@@ -684,10 +704,40 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != w1 - w0) return;
     // Last to arrive: add the partials in warp order.
-    __threadfence();
+    qc_fence();
     float s[NP][2];
 #pragma unroll
     for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
+#if QC_FIN_BATCH > 1
+    // Every warp after w0 starts its range inside this tile (slot 0); w0 used slot 1 unless its
+    // range starts at the tile's first item. The slots' loads go out QC_FIN_BATCH warps at a time
+    // (one L2 round trip per batch, not per warp); the adds stay in warp order.
+    const u32 s0 = qp_start(w0, W, work) < tfirst ? 1u : 0u;
+    constexpr int B = QC_FIN_BATCH / NP > 0 ? QC_FIN_BATCH / NP : 1;
+    for (u32 ob = w0; ob <= w1; ob += B) {
+        float q[B][NP][2];
+#pragma unroll
+        for (int k = 0; k < B; k++) {
+            const u32 ow = ob + k;
+            if (ow <= w1) {
+                const float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * QC_SLOT;
+#pragma unroll
+                for (int p = 0; p < NP; p++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) q[k][p][i] = __ldcg(src + (p * 2 + i) * 32 + lane);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < B; k++) {
+            if (ob + k <= w1) {
+#pragma unroll
+                for (int p = 0; p < NP; p++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) s[p][i] += q[k][p][i];
+            }
+        }
+    }
+#else
     for (u32 ow = w0; ow <= w1; ow++) {
         const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
         const float* q = scratch + ((u64)ow * 2 + oslot) * QC_SLOT;
@@ -696,6 +746,7 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
 #pragma unroll
             for (int i = 0; i < 2; i++) s[p][i] += __ldcg(q + (p * 2 + i) * 32 + lane);
     }
+#endif
     qc_store<NP>(s, ct, g, tq, T, N, y);
     if (lane == 0) counters[ct] = 0u;
 }
@@ -836,7 +887,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                     qc_publish<NP>(v, ct == first_tile ? 0 : 1, gw, lane, scratch);
                 }
                 if (!whole) {
-                    __threadfence();
+                    qc_fence();
                     __syncwarp();
                     qc_arrive<NP>(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
                 }
