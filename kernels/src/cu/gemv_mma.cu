@@ -632,25 +632,13 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8p1_xs(
 // lanes store token 2p + tq/2, rows g (v[p][0]) and g + 8 (v[p][1]).
 #define QC_SLOT 256  // floats per scratch slot: 4 pairs × 2 rows × 32 lanes
 
-// The fix-up's fences (publish: partials, fence, relaxed atomic; finish: atomic, fence, loads).
-// QC_FENCE 0: __threadfence() (fence.sc.gpu, MEMBAR.SC); 1: fence.acq_rel.gpu, which the PTX
-// memory model's release and acquire patterns need and no more (A/B builds via
-// KVSTREAM_NVRTC_DEFINES).
-#ifndef QC_FENCE
-#define QC_FENCE 0
-#endif
-// QC_FIN_BATCH: partial-sum slots the finisher of a shared tile loads at once, per token pair
-// (1: one L2 round trip per contributing warp; A/B builds via KVSTREAM_NVRTC_DEFINES).
+// QC_FIN_BATCH: partial-sum slots the finisher of a shared tile loads at once, for one token pair
+// (QC_FIN_BATCH / NP slots for NP pairs). One slot at a time (an L2 round trip per contributing
+// warp, ~7 warps per tile on the 5120-row shapes) cost 27B q4_g128 decode 3.5–3.9% per step and
+// the out projection 38% → 47% of HBM (H100, session 17).
 #ifndef QC_FIN_BATCH
-#define QC_FIN_BATCH 1
+#define QC_FIN_BATCH 8
 #endif
-__device__ __forceinline__ void qc_fence() {
-#if QC_FENCE == 1
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
-    __threadfence();
-#endif
-}
 
 // An opaque copy of v: the compiler must keep it in a register rather than recompute it.
 __device__ __forceinline__ u32 qc_keep(u32 v) {
@@ -704,13 +692,12 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != w1 - w0) return;
     // Last to arrive: add the partials in warp order.
-    qc_fence();
+    __threadfence();
     float s[NP][2];
 #pragma unroll
     for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
-#if QC_FIN_BATCH > 1
     // Every warp after w0 starts its range inside this tile (slot 0); w0 used slot 1 unless its
-    // range starts at the tile's first item. The slots' loads go out QC_FIN_BATCH warps at a time
+    // range starts at the tile's first item. The slots' loads go out QC_FIN_BATCH / NP warps at a time
     // (one L2 round trip per batch, not per warp); the adds stay in warp order.
     const u32 s0 = qp_start(w0, W, work) < tfirst ? 1u : 0u;
     constexpr int B = QC_FIN_BATCH / NP > 0 ? QC_FIN_BATCH / NP : 1;
@@ -737,16 +724,6 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
             }
         }
     }
-#else
-    for (u32 ow = w0; ow <= w1; ow++) {
-        const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
-        const float* q = scratch + ((u64)ow * 2 + oslot) * QC_SLOT;
-#pragma unroll
-        for (int p = 0; p < NP; p++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) s[p][i] += __ldcg(q + (p * 2 + i) * 32 + lane);
-    }
-#endif
     qc_store<NP>(s, ct, g, tq, T, N, y);
     if (lane == 0) counters[ct] = 0u;
 }
@@ -887,7 +864,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                     qc_publish<NP>(v, ct == first_tile ? 0 : 1, gw, lane, scratch);
                 }
                 if (!whole) {
-                    qc_fence();
+                    __threadfence();
                     __syncwarp();
                     qc_arrive<NP>(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
                 }
@@ -910,16 +887,13 @@ extern "C" __global__ void gemv_q4nl_i8c_xprep(const float* __restrict__ x, uint
 
 // Builds: 1, 2 and 4 token pairs (T ≤ 2, 4, 8), x read from global memory or staged (`_xs`);
 // 2 blocks of 8 warps per SM, 4-stage ring (3 stages for 4 pairs reading x from global memory:
-// 4 spill). The ring depth moves loads only, never the arithmetic. QC_RING1: the ring depth of the
-// 1-pair builds (A/B builds via KVSTREAM_NVRTC_DEFINES; see scripts/kernel_regs.py for registers).
-#ifndef QC_RING1
-#define QC_RING1 4
-#endif
+// 4 spill). The ring depth moves loads only, never the arithmetic (a 6-stage ring for 1 pair, 126
+// registers, measured no faster on an H100, session 17).
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_RING1, 1, false>(Q4MMAP_PASS);
+    q4i8c_body<false, 4, 1, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xs(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_RING1, 1, false>(Q4MMAP_PASS);
+    q4i8c_body<true, 4, 1, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c2(Q4MMAP_ARGS) {
     q4i8c_body<false, 4, 2, false>(Q4MMAP_PASS);
@@ -934,10 +908,10 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c4_xs(Q4
     q4i8c_body<true, 4, 4, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_RING1, 1, true>(Q4MMAP_PASS);
+    q4i8c_body<false, 4, 1, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1_xs(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_RING1, 1, true>(Q4MMAP_PASS);
+    q4i8c_body<true, 4, 1, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c2(Q4MMAP_ARGS) {
     q4i8c_body<false, 4, 2, true>(Q4MMAP_PASS);
