@@ -212,6 +212,39 @@ __device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
     return (u32)((((u64)item + 1) * W - 1) / work);
 }
 
+// The finisher of a tile shared by the warps w0..w1 (the q4 GEMVs' stream-K fix-up, gemv_mma.cu):
+// s[j] = the sum over those warps, in warp order, of value j of each warp's scratch slot (NV
+// values per lane, value j at j·32 + lane of a SLOT-float slot; warp w's slots at 2w and 2w + 1).
+// Every warp after w0 starts its range inside the tile and published in its slot 0; w0 in slot s0
+// (1 unless its range starts at the tile's first item). The loads go out B warps at a time (one L2
+// round trip per batch rather than per warp); the adds keep warp order, so the sums do not
+// depend on B.
+template <int NV, int B, unsigned SLOT>
+__device__ __forceinline__ void sk_sum_slots(const float* __restrict__ scratch, u32 w0, u32 w1, u32 s0, int lane,
+                                             float* s) {
+#pragma unroll
+    for (int j = 0; j < NV; j++) s[j] = 0.0f;
+    for (u32 ob = w0; ob <= w1; ob += B) {
+        float q[B][NV];
+#pragma unroll
+        for (int k = 0; k < B; k++) {
+            const u32 ow = ob + k;
+            if (ow <= w1) {
+                const float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT;
+#pragma unroll
+                for (int j = 0; j < NV; j++) q[k][j] = __ldcg(src + j * 32 + lane);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < B; k++) {
+            if (ob + k <= w1) {
+#pragma unroll
+                for (int j = 0; j < NV; j++) s[j] += q[k][j];
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

@@ -168,10 +168,17 @@ __device__ __forceinline__ void qp_stage_x(uint4* xs, const uint4* __restrict__ 
 // The split helpers `qp_start` / `qp_owner` are in common.cuh (shared with linear.cu's stream-K
 // GEMV).
 
+// Warps' partial-sum slots the finisher loads at once (sk_sum_slots; see QC_FIN_BATCH): qp_tile_done's
+// B, 1 in the 3-blocks-per-SM builds (80 registers: they spill with more).
+#ifndef QP_FIN_BATCH
+#define QP_FIN_BATCH 4
+#endif
+
 // One warp's part of tile `ct` is done (its range [i0, i1) ends inside the tile or the tile ends):
 // store the tile when the warp owns all of it, else publish the partial sums and let the last
 // contributor add them in warp order (see above). C layout: acc[0], acc[1] = (row g, tokens 2tq,
 // 2tq + 1); acc[2], acc[3] = (row g + 8, same tokens). Zeroes acc.
+template <int B>
 __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile, u32 i0, u32 i1, u32 NG, u32 W,
                                              u32 work, u32 gw, int lane, int g, int tq, int T, u64 N,
                                              float* __restrict__ y, float* __restrict__ scratch,
@@ -200,13 +207,8 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
         if (prev == w1 - w0) {
             // Last to arrive: add the partials in warp order.
             __threadfence();
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (u32 ow = w0; ow <= w1; ow++) {
-                const u32 oslot = ct == qp_start(ow, W, work) / NG ? 0 : 1;
-                const float* p = scratch + ((u64)ow * 2 + oslot) * 128;
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] += __ldcg(p + i * 32 + lane);
-            }
+            float v[4];
+            sk_sum_slots<4, B, 128>(scratch, w0, w1, qp_start(w0, W, work) < tfirst ? 1u : 0u, lane, v);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const u64 row = r0 + (i >= 2 ? 8 : 0);
@@ -330,7 +332,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
             acc[2] = fmaf(qb, ch[2] + cl[2], acc[2]);
             acc[3] = fmaf(qb, ch[3] + cl[3], acc[3]);
             if (++cg == NG || j0 + s + 1 == total) {
-                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
+                qp_tile_done<(QP_P >= 4 ? QP_FIN_BATCH : 1)>(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
             }
@@ -564,7 +566,7 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
                 acc[3] = fmaf(qi_value(c2, c1, c0, 3, m1), __fmul_rn(xb1, qb), acc[3]);
             }
             if (++cg == NG || j0 + s + 1 == total) {
-                qp_tile_done(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
+                qp_tile_done<QP_FIN_BATCH>(acc, ct, first_tile, i0, i1, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 cg = 0;
                 ct++;
             }
@@ -693,37 +695,11 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
     if (prev != w1 - w0) return;
     // Last to arrive: add the partials in warp order.
     __threadfence();
+    // QC_FIN_BATCH / NP warps' slots per batch of loads (sk_sum_slots, common.cuh); one at a time
+    // for 4 pairs, whose _xs build spills with more.
     float s[NP][2];
-#pragma unroll
-    for (int p = 0; p < NP; p++) s[p][0] = s[p][1] = 0.0f;
-    // Every warp after w0 starts its range inside this tile (slot 0); w0 used slot 1 unless its
-    // range starts at the tile's first item. The slots' loads go out QC_FIN_BATCH / NP warps at a time
-    // (one L2 round trip per batch, not per warp); the adds stay in warp order.
-    const u32 s0 = qp_start(w0, W, work) < tfirst ? 1u : 0u;
-    constexpr int B = QC_FIN_BATCH / NP > 0 ? QC_FIN_BATCH / NP : 1;
-    for (u32 ob = w0; ob <= w1; ob += B) {
-        float q[B][NP][2];
-#pragma unroll
-        for (int k = 0; k < B; k++) {
-            const u32 ow = ob + k;
-            if (ow <= w1) {
-                const float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * QC_SLOT;
-#pragma unroll
-                for (int p = 0; p < NP; p++)
-#pragma unroll
-                    for (int i = 0; i < 2; i++) q[k][p][i] = __ldcg(src + (p * 2 + i) * 32 + lane);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < B; k++) {
-            if (ob + k <= w1) {
-#pragma unroll
-                for (int p = 0; p < NP; p++)
-#pragma unroll
-                    for (int i = 0; i < 2; i++) s[p][i] += q[k][p][i];
-            }
-        }
-    }
+    constexpr int B = NP >= 4 ? 1 : (QC_FIN_BATCH / NP > 0 ? QC_FIN_BATCH / NP : 1);
+    sk_sum_slots<NP * 2, B, QC_SLOT>(scratch, w0, w1, qp_start(w0, W, work) < tfirst ? 1u : 0u, lane, &s[0][0]);
     qc_store<NP>(s, ct, g, tq, T, N, y);
     if (lane == 0) counters[ct] = 0u;
 }
