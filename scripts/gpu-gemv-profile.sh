@@ -19,15 +19,8 @@
 #      per-SASS-instruction source counters ($OUT/gemv-sass.csv.xz).
 # Every number also goes to stdout and $OUT/summary.txt (a call returns at most 8 files).
 set -u
-D=.device-bin
 OUT=${OUT:-/tmp/kvstream-gemv}
-mkdir -p "$OUT"
-for z in "$D"/*.xz; do [ -e "$z" ] && xz -df "$z" && chmod +x "${z%.xz}"; done
-export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels RUST_BACKTRACE=1
-. scripts/cublas-path.sh
-S="$OUT/summary.txt"
-. scripts/device-step.sh
-nvidia-smi -L | tee -a "$S"
+. scripts/device-prelude.sh
 
 for t in ${TESTS:-}; do
   step "$t" "${T_TEST:-150}" "$D/$t" --include-ignored --test-threads=1

@@ -10,15 +10,8 @@
 #    overlap) and the roofline.
 # Every number goes to stdout and $OUT/summary.txt.
 set -u
-D=.device-bin
 OUT=${OUT:-/tmp/kvstream-qualify}
-mkdir -p "$OUT"
-for z in "$D"/*.xz; do [ -e "$z" ] && xz -df "$z" && chmod +x "${z%.xz}"; done
-export KVSTREAM_KERNEL_CACHE=/tmp/kvstream-kernels RUST_BACKTRACE=1
-. scripts/cublas-path.sh
-S="$OUT/summary.txt"
-. scripts/device-step.sh
-nvidia-smi -L | tee -a "$S"
+. scripts/device-prelude.sh
 mkdir -p "$OUT/bench"
 step cuda-bench "${T_BENCH:-180}" env KVSTREAM_BENCH_SKIP_GEMM=1 KVSTREAM_BENCH_ROTATE_MIB=512 \
   "$D/cuda_bench" "$OUT/bench"

@@ -106,14 +106,7 @@ def main():
     ap.add_argument("--nvdisasm", default=None, help="nvdisasm binary: also print SASS, MMA and barrier counts")
     ap.add_argument("pattern", nargs="?", default=".")
     args = ap.parse_args()
-    path = check_kernels.find_nvrtc(args.lib)
-    for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
-        if ".alt." not in b:
-            try:
-                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                pass
-    lib = ctypes.CDLL(path)
+    lib = check_kernels.load_nvrtc(check_kernels.find_nvrtc(args.lib))
     common = open(os.path.join(args.src, "common.cuh"), encoding="utf-8").read()
     pat = re.compile(args.pattern)
     for p in sorted(glob.glob(os.path.join(args.src, "*.cu"))):
