@@ -120,17 +120,18 @@ fn source_from_dir(module: &KernelModule, dir: &Path) -> String {
     };
     let common = read("common.cuh", kvstream_kernels::COMMON);
     let own = read(&format!("{}.cu", module.module), module.source);
-    let mut s = String::with_capacity(common.len() + own.len() + 1);
-    s.push_str(&common);
-    s.push('\n');
-    s.push_str(&own);
-    s
+    kvstream_kernels::compose_source(&common, &own)
 }
 
 /// The cache key of `module` for `arch` (e.g. `sm_90`) and NVRTC `version`.
 pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> String {
+    source_cache_key(module.module, &module_source(module), arch, version)
+}
+
+/// [`cache_key`] of module `name` compiled from `source`.
+fn source_cache_key(name: &str, source: &str, arch: &str, version: (i32, i32)) -> String {
     let mut h = Sha256::new();
-    h.update(module_source(module).as_bytes());
+    h.update(source.as_bytes());
     for o in NVRTC_OPTIONS
         .iter()
         .map(|s| s.to_string())
@@ -141,16 +142,14 @@ pub fn cache_key(module: &KernelModule, arch: &str, version: (i32, i32)) -> Stri
     }
     let digest = h.finalize();
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{hex}-{arch}-nvrtc{}.{}.cubin",
-        module.module, version.0, version.1
-    )
+    format!("{name}-{hex}-{arch}-nvrtc{}.{}.cubin", version.0, version.1)
 }
 
 /// Compiles `module` to a cubin for `arch` (`sm_90`), using and filling the disk cache.
 pub fn compile_module(module: &KernelModule, arch: &str) -> Result<Vec<u8>, CompileError> {
     let version = nvrtc_version()?;
-    let key = cache_key(module, arch, version);
+    let source = module_source(module); // read once: the key and the compile see the same text
+    let key = source_cache_key(module.module, &source, arch, version);
     let dir = cache_dir();
     if let Some(d) = &dir {
         if let Ok(bytes) = std::fs::read(d.join(&key)) {
@@ -161,7 +160,7 @@ pub fn compile_module(module: &KernelModule, arch: &str) -> Result<Vec<u8>, Comp
         }
     }
     let _span = tracing::info_span!("nvrtc_compile", module = module.module, arch).entered();
-    let cubin = compile_uncached(module, arch)?;
+    let cubin = compile_uncached(module.module, &source, arch)?;
     if let Some(d) = &dir {
         let tmp = d.join(format!("{key}.tmp{}", std::process::id()));
         let ok = std::fs::create_dir_all(d).is_ok()
@@ -181,9 +180,8 @@ fn nvrtc_err(module: &'static str, detail: impl Into<String>) -> CompileError {
     }
 }
 
-fn compile_uncached(module: &KernelModule, arch: &str) -> Result<Vec<u8>, CompileError> {
-    let name = module.module;
-    let src = CString::new(module_source(module)).map_err(|e| nvrtc_err(name, e.to_string()))?;
+fn compile_uncached(name: &'static str, source: &str, arch: &str) -> Result<Vec<u8>, CompileError> {
+    let src = CString::new(source).map_err(|e| nvrtc_err(name, e.to_string()))?;
     let fname = CString::new(format!("{name}.cu")).map_err(|e| nvrtc_err(name, e.to_string()))?;
     let prog = nvrtc_result::create_program(&src, Some(&fname))
         .map_err(|e| nvrtc_err(name, format!("create: {e:?}")))?;
@@ -288,7 +286,7 @@ mod tests {
             return;
         }
         for m in kvstream_kernels::MODULES {
-            let cubin = compile_uncached(m, "sm_90");
+            let cubin = compile_uncached(m.module, &m.full_source(), "sm_90");
             assert!(cubin.is_ok(), "{}: {:?}", m.module, cubin.err());
         }
     }

@@ -29,12 +29,18 @@ pub struct KernelModule {
 impl KernelModule {
     /// The full source NVRTC compiles: [`COMMON`] then the module.
     pub fn full_source(&self) -> String {
-        let mut s = String::with_capacity(COMMON.len() + self.source.len() + 1);
-        s.push_str(COMMON);
-        s.push('\n');
-        s.push_str(self.source);
-        s
+        compose_source(COMMON, self.source)
     }
+}
+
+/// What NVRTC compiles for a module: `common` (the [`COMMON`] helpers, or a replacement) then
+/// the module's own source, on the next line.
+pub fn compose_source(common: &str, own: &str) -> String {
+    let mut s = String::with_capacity(common.len() + own.len() + 1);
+    s.push_str(common);
+    s.push('\n');
+    s.push_str(own);
+    s
 }
 
 /// Every kernel module. `scripts/check_kernels.py` parses this table: keep one
