@@ -12,6 +12,13 @@ bit-for-bit contract: the order is a function of N, K and W only), no finisher r
 is not published or holds another tile, and every counter ends at zero. Keep it in step with the
 kernel when the fix-up changes.
 
+Both hand-offs of common.cuh are checked. Fenced (SK_FLAGS=0): a published slot is visible once
+its warp has fenced. Fence-free (SK_FLAGS=1): a published slot lands at a random later point, in
+no order with its warp's count (nothing orders them); the finisher reloads a slot until it is no
+longer empty and empties it again. Its launches run back to back over one scratch (shapes of
+different sizes), so a finisher reading an older launch's value, a store landing on a value not
+yet taken, or a launch leaving a value behind are violations too.
+
 Usage: python3 scripts/q4c_fixup_sim.py [--seeds N]   (exit status 1 on a violation)
 """
 import argparse
@@ -50,10 +57,16 @@ def warp(gw, W, work, NG, st):
                 store(st, ct, tuple(acc))
             else:
                 slot = 0 if ct == first_tile else 1
-                if (gw, slot) in st["scratch"]:
-                    raise Violation(f"warp {gw} publishes slot {slot} twice")
-                st["scratch"][(gw, slot)] = (ct, tuple(acc))
-                yield "fence"
+                value = (st["launch"], ct, tuple(acc))
+                if st["flags"]:
+                    if any(k == (gw, slot) for k, _ in st["pending"]):
+                        raise Violation(f"warp {gw} publishes slot {slot} twice")
+                    st["pending"].append(((gw, slot), value))  # lands later (land_one)
+                else:
+                    if (gw, slot) in st["scratch"]:
+                        raise Violation(f"warp {gw} publishes slot {slot} twice")
+                    st["scratch"][(gw, slot)] = value
+                    yield "fence"
                 yield from arrive_at(ct, W, work, NG, st)
             acc = []
             cg = 0
@@ -76,10 +89,16 @@ def arrive_at(ct, W, work, NG, st):
         oslot = s0 if ow == w0 else 0
         if oslot != (0 if ct == qp_start(ow, W, work) // NG else 1):
             raise Violation(f"tile {ct}: the slot rule picks slot {oslot} for warp {ow}")
-        got = st["scratch"].get((ow, oslot))
-        if got is None or got[0] != ct:
+        if st["flags"]:
+            # sk_load / sk_settle: reload while empty, take the value, leave the slot empty.
+            while (ow, oslot) not in st["scratch"]:
+                yield "reload"
+            got = st["scratch"].pop((ow, oslot), None)
+        else:
+            got = st["scratch"].get((ow, oslot))
+        if got is None or got[:2] != (st["launch"], ct):
             raise Violation(f"tile {ct}: warp {ow} slot {oslot} holds {got}")
-        items.extend(got[1])
+        items.extend(got[2])
     store(st, ct, tuple(items))
     st["counters"][ct] = 0
 
@@ -90,21 +109,38 @@ def store(st, ct, items):
     st["y"][ct] = items
 
 
-def run(N, K, W, seed):
+def land_one(st, rng):
+    """One pending fence-free store reaches memory."""
+    key, value = st["pending"].pop(rng.randrange(len(st["pending"])))
+    if key in st["scratch"]:
+        raise Violation(f"slot {key} is stored over a value not taken yet: {st['scratch'][key]}")
+    st["scratch"][key] = value
+
+
+def run(N, K, W, seed, st):
+    """One launch over the scratch and counters in st (kept across launches)."""
     NG = K // 128
     tiles = (N + 15) // 16
     work = tiles * NG
     assert work >= W  # q4_mmap_plan: blocks <= work / 8
-    st = {"scratch": {}, "counters": {}, "y": {}}
+    st["launch"] += 1
+    st["y"] = {}
+    if not st["flags"]:
+        st["scratch"] = {}
     live = [warp(gw, W, work, NG, st) for gw in range(W)]
     rng = random.Random(seed)
-    while live:
+    while live or st["pending"]:
+        if st["pending"] and (not live or rng.random() < 0.3):
+            land_one(st, rng)
+            continue
         i = rng.randrange(len(live))
         try:
             next(live[i])
         except StopIteration:
             live[i] = live[-1]
             live.pop()
+    if st["flags"] and st["scratch"]:
+        raise Violation(f"the launch leaves {len(st['scratch'])} slot(s) not empty")
     for ct in range(tiles):
         want = tuple(range(ct * NG, ct * NG + NG))
         if st["y"].get(ct) != want:
@@ -122,13 +158,17 @@ def main():
     shapes = [(64, 1024, 8), (100, 384, 16), (1000, 1024, 48), (264, 5120, 40), (48, 256, 6),
               (16, 1280, 10), (5120, 6144, 2112), (16384, 5120, 2112), (5120, 17408, 2112)]
     bad = 0
-    for (N, K, W) in shapes:
+    for flags in (0, 1):
+        # Fence-free launches share one scratch, as the backend's stream-K buffers do.
+        st = {"flags": flags, "scratch": {}, "pending": [], "counters": {}, "launch": 0}
         for seed in range(a.seeds):
-            try:
-                run(N, K, W, seed)
-            except Violation as e:
-                bad += 1
-                print(f"N={N} K={K} W={W} seed={seed}: {e}")
+            for (N, K, W) in shapes:
+                try:
+                    run(N, K, W, seed, st)
+                except Violation as e:
+                    bad += 1
+                    print(f"SK_FLAGS={flags} N={N} K={K} W={W} seed={seed}: {e}")
+                    st.update(scratch={}, pending=[], counters={})
     print(f"{'FAILED' if bad else 'ok'}: {bad} violations")
     return 1 if bad else 0
 

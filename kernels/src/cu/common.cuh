@@ -212,15 +212,72 @@ __device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
     return (u32)((((u64)item + 1) * W - 1) / work);
 }
 
+// ---- Stream-K partial-sum hand-off (the fix-ups of gemv_mma.cu's q4 GEMVs and linear.cu's gemv_sk) ----
+// SK_FLAGS = 0: a warp stores its partial sums, fences (__threadfence) and counts itself in the
+// unit's counter; the last to arrive fences again and loads the slots. A fence waits for the warp's
+// outstanding loads too, so a range that publishes its first tile mid-range drains its weight
+// ring there (ncu: membar stalls, session 16).
+// SK_FLAGS = 1: no fences. A slot value is "empty" while it holds SK_EMPTY, a NaN bit pattern no
+// float arithmetic produces (their NaNs are 0x7fffffff); publishers store with st.relaxed.gpu, the
+// finisher (still chosen by the relaxed counter) loads with ld.relaxed.gpu, reloads a value that
+// is still empty (its store has not landed yet: nothing orders it before the count any more), and
+// puts SK_EMPTY back once it holds the value. Invariant: between launches every scratch value is
+// SK_EMPTY (the launcher fills a new scratch buffer with 0xff bytes; every value a launch stores
+// is taken by that launch's finisher), so a finisher never reads an older launch's value.
+#ifndef SK_FLAGS
+#define SK_FLAGS 0
+#endif
+#define SK_EMPTY 0xffffffffu
+
+// Publisher: one partial-sum value into its slot.
+__device__ __forceinline__ void sk_put(float* p, float v) {
+#if SK_FLAGS
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(__float_as_uint(v)) : "memory");
+#else
+    *p = v;
+#endif
+}
+// Publisher, between its slot stores and its count; finisher, between the count and its loads.
+__device__ __forceinline__ void sk_fence() {
+#if !SK_FLAGS
+    __threadfence();
+#endif
+}
+// Finisher: start loading a slot value (several go out before the first sk_settle).
+__device__ __forceinline__ float sk_load(const float* p) {
+#if SK_FLAGS
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return __uint_as_float(v);
+#else
+    return __ldcg(p);
+#endif
+}
+// Finisher: the value sk_load started, once it has landed; marks the slot value empty again. A
+// value still missing after ~2^24 reloads is a broken hand-off: trap (a CUDA error) rather than hang.
+__device__ __forceinline__ float sk_settle(float* p, float v) {
+#if SK_FLAGS
+    u32 b = __float_as_uint(v);
+    for (u32 tries = 0; b == SK_EMPTY; tries++) {
+        if (tries == (1u << 24)) __trap();
+        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p));
+    }
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(SK_EMPTY) : "memory");
+    return __uint_as_float(b);
+#else
+    return v;
+#endif
+}
+
 // The finisher of a tile shared by the warps w0..w1 (the q4 GEMVs' stream-K fix-up, gemv_mma.cu):
 // s[j] = the sum over those warps, in warp order, of value j of each warp's scratch slot (NV
 // values per lane, value j at j·32 + lane of a SLOT-float slot; warp w's slots at 2w and 2w + 1).
 // Every warp after w0 starts its range inside the tile and published in its slot 0; w0 in slot s0
 // (1 unless its range starts at the tile's first item). The loads go out B warps at a time (one L2
 // round trip per batch rather than per warp); the adds keep warp order, so the sums do not
-// depend on B.
+// depend on B. The loads and the hand-off: sk_load / sk_settle (SK_FLAGS above).
 template <int NV, int B, unsigned SLOT>
-__device__ __forceinline__ void sk_sum_slots(const float* __restrict__ scratch, u32 w0, u32 w1, u32 s0, int lane,
+__device__ __forceinline__ void sk_sum_slots(float* __restrict__ scratch, u32 w0, u32 w1, u32 s0, int lane,
                                              float* s) {
 #pragma unroll
     for (int j = 0; j < NV; j++) s[j] = 0.0f;
@@ -232,14 +289,16 @@ __device__ __forceinline__ void sk_sum_slots(const float* __restrict__ scratch, 
             if (ow <= w1) {
                 const float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT;
 #pragma unroll
-                for (int j = 0; j < NV; j++) q[k][j] = __ldcg(src + j * 32 + lane);
+                for (int j = 0; j < NV; j++) q[k][j] = sk_load(src + j * 32 + lane);
             }
         }
 #pragma unroll
         for (int k = 0; k < B; k++) {
-            if (ob + k <= w1) {
+            const u32 ow = ob + k;
+            if (ow <= w1) {
+                float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT;
 #pragma unroll
-                for (int j = 0; j < NV; j++) s[j] += q[k][j];
+                for (int j = 0; j < NV; j++) s[j] += sk_settle(src + j * 32 + lane, q[k][j]);
             }
         }
     }

@@ -157,7 +157,8 @@ __device__ __forceinline__ void qp_stage_x(uint4* xs, const uint4* __restrict__ 
 // acc = fmaf(d, hi + lo, acc), groups ascending. A tile wholly inside one warp's range is stored
 // directly. A tile shared by warps w0 < w1 < ... (consecutive) is finished by the last of them to
 // arrive: each writes its partial sums to its scratch slot (slot 0 for the first tile of its
-// range, 1 for the last), fences, and counts itself in the tile's counter; the warp that completes
+// range, 1 for the last), fences (sk_fence; no fences under SK_FLAGS, common.cuh), and counts itself
+// in the tile's counter; the warp that completes
 // the count adds the partials in warp order ((p_w0 + p_w0+1) + ...), stores the tile and resets the
 // counter to 0 (the launcher zeroes the counters once; every launch leaves them zero). The sums
 // are therefore a function of N, K and W only: row t of a T-row call equals a 1-row call bit for
@@ -197,8 +198,8 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
         const u32 slot = ct == first_tile ? 0 : 1;
         float* mine = scratch + ((u64)gw * 2 + slot) * 128;
 #pragma unroll
-        for (int i = 0; i < 4; i++) mine[i * 32 + lane] = acc[i];
-        __threadfence();
+        for (int i = 0; i < 4; i++) sk_put(mine + i * 32 + lane, acc[i]);
+        sk_fence();
         __syncwarp();
         const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
         u32 prev = 0;
@@ -206,7 +207,7 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
         prev = __shfl_sync(0xffffffffu, prev, 0);
         if (prev == w1 - w0) {
             // Last to arrive: add the partials in warp order.
-            __threadfence();
+            sk_fence();
             float v[4];
             sk_sum_slots<4, B, 128>(scratch, w0, w1, qp_start(w0, W, work) < tfirst ? 1u : 0u, lane, v);
 #pragma unroll
@@ -679,7 +680,7 @@ __device__ __forceinline__ void qc_publish(const float (*v)[2], u32 slot, u32 gw
 #pragma unroll
     for (int p = 0; p < NP; p++)
 #pragma unroll
-        for (int i = 0; i < 2; i++) mine[(p * 2 + i) * 32 + lane] = v[p][i];
+        for (int i = 0; i < 2; i++) sk_put(mine + (p * 2 + i) * 32 + lane, v[p][i]);
 }
 
 // After qc_publish and a fence: count this warp in tile ct; the last to arrive adds the partials.
@@ -694,7 +695,7 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != w1 - w0) return;
     // Last to arrive: add the partials in warp order.
-    __threadfence();
+    sk_fence();
     // QC_FIN_BATCH / NP warps' slots per batch of loads (sk_sum_slots, common.cuh); one at a time
     // for 4 pairs, whose _xs build spills with more.
     float s[NP][2];
@@ -840,7 +841,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                     qc_publish<NP>(v, ct == first_tile ? 0 : 1, gw, lane, scratch);
                 }
                 if (!whole) {
-                    __threadfence();
+                    sk_fence();
                     __syncwarp();
                     qc_arrive<NP>(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
                 }

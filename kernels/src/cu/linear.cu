@@ -501,8 +501,8 @@ extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) {
 // A unit wholly inside one warp's range is stored directly. A unit shared by warps w0 < ... < w1
 // (consecutive; every warp holds at least one item, the launcher ensures work ≥ W) is finished by
 // the last to arrive: each writes its warp-reduced partial sums (SK_R × 8 floats) to its scratch
-// slot (slot 0 for the first unit of its range, 1 for the last), fences, and counts itself in the
-// unit's counter; the warp that completes the count adds the partials in warp order
+// slot (slot 0 for the first unit of its range, 1 for the last), fences (sk_fence; the hand-off
+// without fences under SK_FLAGS, common.cuh), and counts itself in the unit's counter; the warp that completes the count adds the partials in warp order
 // ((p_w0 + p_w0+1) + ...) + p_w1, stores, and resets the counter to 0 (the launcher zeroes the
 // counters once; every launch leaves them zero) — the scheme of gemv_mma.cu's q4mmap_body.
 //
@@ -644,9 +644,10 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
 #pragma unroll
                 for (int t = 0; t < TM; t++) {
                     if (t >= T) continue;
+                    if (row0 + r >= N) continue;  // stored only where the finisher takes it (SK_FLAGS)
                     if (!whole)
-                        mine[(ch * RH + r) * GEMV_MAX_T + t] = acc[r][t];
-                    else if (row0 + r < N)
+                        sk_put(mine + (ch * RH + r) * GEMV_MAX_T + t, acc[r][t]);
+                    else
                         y[(u64)t * N + row0 + r] = acc[r][t];
                 }
         }
@@ -656,7 +657,7 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
             for (int t = 0; t < TM; t++) acc[r][t] = 0.0f;
         if (++ch == H) {
             if (!whole) {
-                __threadfence();
+                sk_fence();
                 __syncwarp();
                 const u32 w0 = qp_owner(ub, W, work), w1 = qp_owner(ub + TR - 1, W, work);
                 u32 prev = 0;
@@ -664,7 +665,7 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
                 prev = __shfl_sync(0xffffffffu, prev, 0);
                 if (prev == w1 - w0) {
                     // Last to arrive: add the partials in warp order.
-                    __threadfence();
+                    sk_fence();
                     for (int i = lane; i < SK_R * TM; i += 32) {
                         const int r = i / TM, t = i % TM;
                         const u64 row = (u64)cu * SK_R + r;
@@ -672,7 +673,8 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
                             float s = 0.0f;
                             for (u32 ow = w0; ow <= w1; ow++) {
                                 const u32 oslot = cu == qp_start(ow, W, work) / TR ? 0 : 1;
-                                const float p = __ldcg(scratch + ((u64)ow * 2 + oslot) * SK_SLOT + r * GEMV_MAX_T + t);
+                                float* src = scratch + ((u64)ow * 2 + oslot) * SK_SLOT + r * GEMV_MAX_T + t;
+                                const float p = sk_settle(src, sk_load(src));
                                 s = ow == w0 ? p : s + p;
                             }
                             y[(u64)t * N + row] = s;

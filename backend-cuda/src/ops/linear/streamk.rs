@@ -4,8 +4,9 @@
 //!
 //! One holder per backend, shared by both kernels: they run on the compute stream one after the
 //! other, and every launch leaves the counters zero (the last warp to finish a shared unit resets
-//! its counter), so a launch may use what the previous one used. Both buffers only grow; a grown
-//! counter buffer is zeroed on the compute stream before any kernel reads it.
+//! its counter) and, under `SK_FLAGS`, every scratch value empty (0xffffffff), so a launch may use
+//! what the previous one used. Both buffers only grow; a grown counter buffer is zeroed and a grown
+//! scratch buffer filled with 0xff bytes on the compute stream before any kernel reads it.
 
 use crate::launch::dev;
 use crate::{CudaBackend, DeviceAlloc};
@@ -43,7 +44,16 @@ impl CudaBackend {
     ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
         let mut b = self.stream_k.lock().unwrap_or_else(|e| e.into_inner());
         if b.scratch.as_ref().is_none_or(|s| s.len() < scratch_bytes) {
-            b.scratch = Some(self.alloc_owned(scratch_bytes.max(4), "stream-K GEMV scratch")?);
+            let bytes = scratch_bytes.max(4);
+            let sc = self.alloc_owned(bytes, "stream-K GEMV scratch")?;
+            self.ctx.bind_to_thread().map_err(dev("fill"))?;
+            // Every value SK_EMPTY (0xffffffff) for the fence-free hand-off (`SK_FLAGS`,
+            // common.cuh: each launch leaves its values empty again); the fenced hand-off ignores it.
+            // SAFETY: the allocation holds `bytes` bytes; ordered on the compute stream before any
+            // kernel that reads them.
+            unsafe { result::memset_d8_async(sc.ptr(), 0xff, bytes, self.compute.cu_stream()) }
+                .map_err(dev("fill"))?;
+            b.scratch = Some(sc);
         }
         if b.counters.as_ref().is_none_or(|c| c.len() < counter_bytes) {
             let bytes = counter_bytes.max(4);
