@@ -15,7 +15,8 @@ kernel when the fix-up changes.
 Both hand-offs of common.cuh are checked. Fenced (SK_FLAGS=0): a published slot is visible once
 its warp has fenced. Fence-free (SK_FLAGS=1): a published slot lands at a random later point, in
 no order with its warp's count (nothing orders them); the finisher reloads a slot until it is no
-longer empty and empties it again. Its launches run back to back over one scratch (shapes of
+longer empty and empties it again; at SK_FLAGS=2 there are no counters and the finisher is the
+tile's first warp. Its launches run back to back over one scratch (shapes of
 different sizes), so a finisher reading an older launch's value, a store landing on a value not
 yet taken, or a launch leaving a value behind are violations too.
 
@@ -67,20 +68,26 @@ def warp(gw, W, work, NG, st):
                         raise Violation(f"warp {gw} publishes slot {slot} twice")
                     st["scratch"][(gw, slot)] = value
                     yield "fence"
-                yield from arrive_at(ct, W, work, NG, st)
+                yield from arrive_at(ct, gw, W, work, NG, st)
             acc = []
             cg = 0
             ct += 1
 
 
-def arrive_at(ct, W, work, NG, st):
+def arrive_at(ct, gw, W, work, NG, st):
+    """sk_arrive (common.cuh), then the finisher's sums."""
     tfirst, tlast = ct * NG, ct * NG + NG - 1
     w0, w1 = qp_owner(tfirst, W, work), qp_owner(tlast, W, work)
-    yield "atomic"
-    prev = st["counters"].get(ct, 0)
-    st["counters"][ct] = prev + 1
-    if prev != w1 - w0:
-        return
+    if st["flags"] >= 2:
+        if gw != w0:
+            return
+    else:
+        yield "atomic"
+        prev = st["counters"].get(ct, 0)
+        st["counters"][ct] = prev + 1
+        if prev != w1 - w0:
+            return
+        st["counters"][ct] = 0
     items = []
     # The kernel's slot rule: every warp after w0 starts its range inside the tile (slot 0); w0
     # used slot 1 unless its range starts at the tile's first item.
@@ -100,7 +107,6 @@ def arrive_at(ct, W, work, NG, st):
             raise Violation(f"tile {ct}: warp {ow} slot {oslot} holds {got}")
         items.extend(got[2])
     store(st, ct, tuple(items))
-    st["counters"][ct] = 0
 
 
 def store(st, ct, items):
@@ -158,7 +164,7 @@ def main():
     shapes = [(64, 1024, 8), (100, 384, 16), (1000, 1024, 48), (264, 5120, 40), (48, 256, 6),
               (16, 1280, 10), (5120, 6144, 2112), (16384, 5120, 2112), (5120, 17408, 2112)]
     bad = 0
-    for flags in (0, 1):
+    for flags in (0, 1, 2):
         # Fence-free launches share one scratch, as the backend's stream-K buffers do.
         st = {"flags": flags, "scratch": {}, "pending": [], "counters": {}, "launch": 0}
         for seed in range(a.seeds):

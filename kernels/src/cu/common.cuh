@@ -224,6 +224,10 @@ __device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
 // puts SK_EMPTY back once it holds the value. Invariant: between launches every scratch value is
 // SK_EMPTY (the launcher fills a new scratch buffer with 0xff bytes; every value a launch stores
 // is taken by that launch's finisher), so a finisher never reads an older launch's value.
+// SK_FLAGS = 2: no counters either. The finisher of a shared unit is its first warp w0 (the unit
+// ends w0's range, so w0 reaches it last but for the skew between ranges of equal length); every
+// later contributor stores its slot and goes on. A warp waits only for warps after it, so the grid
+// (one wave: every block resident) cannot deadlock. sk_arrive picks the finisher for every level.
 #ifndef SK_FLAGS
 #define SK_FLAGS 0
 #endif
@@ -243,6 +247,32 @@ __device__ __forceinline__ void sk_fence() {
     __threadfence();
 #endif
 }
+// After a warp's slot stores (and sk_fence, __syncwarp): is this warp the finisher of the unit
+// shared by warps w0..w1 (its counter `counter`)? Levels 0 and 1: the last to count itself (it
+// calls sk_finished when done); level 2: w0.
+__device__ __forceinline__ bool sk_arrive(u32* counter, u32 gw, u32 w0, u32 w1, int lane) {
+#if SK_FLAGS >= 2
+    (void)counter;
+    (void)w1;
+    (void)lane;
+    return gw == w0;
+#else
+    (void)gw;
+    u32 prev = 0;
+    if (lane == 0) prev = atomicAdd(counter, 1u);
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    return prev == w1 - w0;
+#endif
+}
+// The finisher is done: levels 0 and 1 reset the unit's counter for the next launch.
+__device__ __forceinline__ void sk_finished(u32* counter, int lane) {
+#if SK_FLAGS < 2
+    if (lane == 0) *counter = 0u;
+#else
+    (void)counter;
+    (void)lane;
+#endif
+}
 // Finisher: start loading a slot value (several go out before the first sk_settle).
 __device__ __forceinline__ float sk_load(const float* p) {
 #if SK_FLAGS
@@ -254,12 +284,13 @@ __device__ __forceinline__ float sk_load(const float* p) {
 #endif
 }
 // Finisher: the value sk_load started, once it has landed; marks the slot value empty again. A
-// value still missing after ~2^24 reloads is a broken hand-off: trap (a CUDA error) rather than hang.
+// value still missing after 2^28 reloads (minutes) is a broken hand-off: trap (a CUDA error)
+// rather than hang.
 __device__ __forceinline__ float sk_settle(float* p, float v) {
 #if SK_FLAGS
     u32 b = __float_as_uint(v);
     for (u32 tries = 0; b == SK_EMPTY; tries++) {
-        if (tries == (1u << 24)) __trap();
+        if (tries == (1u << 28)) __trap();
         asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p));
     }
     asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(SK_EMPTY) : "memory");

@@ -202,11 +202,8 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
         sk_fence();
         __syncwarp();
         const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
-        u32 prev = 0;
-        if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
-        prev = __shfl_sync(0xffffffffu, prev, 0);
-        if (prev == w1 - w0) {
-            // Last to arrive: add the partials in warp order.
+        if (sk_arrive(&counters[ct], gw, w0, w1, lane)) {
+            // The finisher: add the partials in warp order.
             sk_fence();
             float v[4];
             sk_sum_slots<4, B, 128>(scratch, w0, w1, qp_start(w0, W, work) < tfirst ? 1u : 0u, lane, v);
@@ -216,7 +213,7 @@ __device__ __forceinline__ void qp_tile_done(float* acc, u32 ct, u32 first_tile,
                 const int t = t0 + (i & 1);
                 if (t < T && row < N) y[(u64)t * N + row] = v[i];
             }
-            if (lane == 0) counters[ct] = 0u;
+            sk_finished(&counters[ct], lane);
         }
     }
 #pragma unroll
@@ -683,18 +680,15 @@ __device__ __forceinline__ void qc_publish(const float (*v)[2], u32 slot, u32 gw
         for (int i = 0; i < 2; i++) sk_put(mine + (p * 2 + i) * 32 + lane, v[p][i]);
 }
 
-// After qc_publish and a fence: count this warp in tile ct; the last to arrive adds the partials.
+// After qc_publish and a fence: count this warp in tile ct; the finisher (sk_arrive) adds the partials.
 template <int NP>
-__device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int lane, int g, int tq, int T, u64 N,
-                                          float* __restrict__ y, float* __restrict__ scratch,
+__device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, u32 gw, int lane, int g, int tq, int T,
+                                          u64 N, float* __restrict__ y, float* __restrict__ scratch,
                                           u32* __restrict__ counters) {
     const u32 tfirst = ct * NG, tlast = tfirst + NG - 1;
     const u32 w0 = qp_owner(tfirst, W, work), w1 = qp_owner(tlast, W, work);
-    u32 prev = 0;
-    if (lane == 0) prev = atomicAdd(&counters[ct], 1u);
-    prev = __shfl_sync(0xffffffffu, prev, 0);
-    if (prev != w1 - w0) return;
-    // Last to arrive: add the partials in warp order.
+    if (!sk_arrive(&counters[ct], gw, w0, w1, lane)) return;
+    // The finisher: add the partials in warp order.
     sk_fence();
     // QC_FIN_BATCH / NP warps' slots per batch of loads (sk_sum_slots, common.cuh); one at a time
     // for 4 pairs, whose _xs build spills with more.
@@ -702,7 +696,7 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, int l
     constexpr int B = NP >= 4 ? 1 : (QC_FIN_BATCH / NP > 0 ? QC_FIN_BATCH / NP : 1);
     sk_sum_slots<NP * 2, B, QC_SLOT>(scratch, w0, w1, qp_start(w0, W, work) < tfirst ? 1u : 0u, lane, &s[0][0]);
     qc_store<NP>(s, ct, g, tq, T, N, y);
-    if (lane == 0) counters[ct] = 0u;
+    sk_finished(&counters[ct], lane);
 }
 
 // NP token pairs (T ≤ 2·NP); NL: q4_nl_g128 codes (table lookup, s8 MMA).
@@ -843,7 +837,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
                 if (!whole) {
                     sk_fence();
                     __syncwarp();
-                    qc_arrive<NP>(ct, NG, W, work, lane, g, tq, T, N, y, scratch, counters);
+                    qc_arrive<NP>(ct, NG, W, work, gw, lane, g, tq, T, N, y, scratch, counters);
                 }
 #pragma unroll
                 for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;

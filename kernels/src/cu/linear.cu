@@ -660,11 +660,8 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
                 sk_fence();
                 __syncwarp();
                 const u32 w0 = qp_owner(ub, W, work), w1 = qp_owner(ub + TR - 1, W, work);
-                u32 prev = 0;
-                if (lane == 0) prev = atomicAdd(&counters[cu], 1u);
-                prev = __shfl_sync(0xffffffffu, prev, 0);
-                if (prev == w1 - w0) {
-                    // Last to arrive: add the partials in warp order.
+                if (sk_arrive(&counters[cu], gw, w0, w1, lane)) {
+                    // The finisher: add the partials in warp order.
                     sk_fence();
                     for (int i = lane; i < SK_R * TM; i += 32) {
                         const int r = i / TM, t = i % TM;
@@ -680,7 +677,7 @@ __device__ __forceinline__ void gemv_sk(const float* __restrict__ x, const u8* _
                             y[(u64)t * N + row] = s;
                         }
                     }
-                    if (lane == 0) counters[cu] = 0u;
+                    sk_finished(&counters[cu], lane);
                 }
             }
             ch = 0;
