@@ -99,7 +99,7 @@ elif [ "$STAGE" = 4 ]; then
       step "ab-$tag-$r" "${T_AB:-140}" env "${envs[@]}" "${BENCH[@]}" \
         --contexts "${AB_CONTEXTS:-8Ki,32Ki,256Ki}" --spec-draft-n-max "${AB_DRAFTS:-0,3}" \
         --weights "${AB_WEIGHTS:-q4_g128}" --out "$OUT/ab-$tag-$r"
-      roofline "ab-$tag-$r" 12
+      roofline "ab-$tag-$r" 12 | sed "s/^/  $tag $r: /" | tee -a "$S"
     done
   done
 else
