@@ -44,26 +44,12 @@ impl CudaBackend {
     ) -> Result<(Arc<DeviceAlloc>, Arc<DeviceAlloc>), OpError> {
         let mut b = self.stream_k.lock().unwrap_or_else(|e| e.into_inner());
         if b.scratch.as_ref().is_none_or(|s| s.len() < scratch_bytes) {
-            let bytes = scratch_bytes.max(4);
-            let sc = self.alloc_owned(bytes, "stream-K GEMV scratch")?;
-            self.ctx.bind_to_thread().map_err(dev("fill"))?;
             // Every value SK_EMPTY (0xffffffff) for the fence-free hand-off (`SK_FLAGS`,
             // common.cuh: each launch leaves its values empty again); the fenced hand-off ignores it.
-            // SAFETY: the allocation holds `bytes` bytes; ordered on the compute stream before any
-            // kernel that reads them.
-            unsafe { result::memset_d8_async(sc.ptr(), 0xff, bytes, self.compute.cu_stream()) }
-                .map_err(dev("fill"))?;
-            b.scratch = Some(sc);
+            b.scratch = Some(self.alloc_filled(scratch_bytes, 0xff, "stream-K GEMV scratch")?);
         }
         if b.counters.as_ref().is_none_or(|c| c.len() < counter_bytes) {
-            let bytes = counter_bytes.max(4);
-            let c = self.alloc_owned(bytes, "stream-K GEMV counters")?;
-            self.ctx.bind_to_thread().map_err(dev("zeros"))?;
-            // SAFETY: the allocation holds `bytes` bytes; ordered on the compute stream before any
-            // kernel that reads them.
-            unsafe { result::memset_d8_async(c.ptr(), 0, bytes, self.compute.cu_stream()) }
-                .map_err(dev("zeros"))?;
-            b.counters = Some(c);
+            b.counters = Some(self.alloc_filled(counter_bytes, 0, "stream-K GEMV counters")?);
         }
         match (&b.scratch, &b.counters) {
             (Some(s), Some(c)) => Ok((s.clone(), c.clone())),
@@ -72,5 +58,23 @@ impl CudaBackend {
                 "stream-K GEMV buffers missing".to_string(),
             )),
         }
+    }
+
+    /// A new allocation of at least `bytes` (4 or more), every byte `fill`, ordered on the compute
+    /// stream before any kernel that reads it.
+    fn alloc_filled(
+        &self,
+        bytes: usize,
+        fill: u8,
+        what: &str,
+    ) -> Result<Arc<DeviceAlloc>, OpError> {
+        let bytes = bytes.max(4);
+        let a = self.alloc_owned(bytes, what)?;
+        self.ctx.bind_to_thread().map_err(dev("fill"))?;
+        // SAFETY: the allocation holds `bytes` bytes; the fill is ordered on the compute stream
+        // before any kernel that reads them.
+        unsafe { result::memset_d8_async(a.ptr(), fill, bytes, self.compute.cu_stream()) }
+            .map_err(dev("fill"))?;
+        Ok(a)
     }
 }
