@@ -310,6 +310,7 @@ __device__ __forceinline__ float sk_settle(float* p, float v) {
 template <int NV, int B, unsigned SLOT>
 __device__ __forceinline__ void sk_sum_slots(float* __restrict__ scratch, u32 w0, u32 w1, u32 s0, int lane,
                                              float* s) {
+    auto slot = [&](u32 ow) { return scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT + lane; };
 #pragma unroll
     for (int j = 0; j < NV; j++) s[j] = 0.0f;
     for (u32 ob = w0; ob <= w1; ob += B) {
@@ -318,18 +319,16 @@ __device__ __forceinline__ void sk_sum_slots(float* __restrict__ scratch, u32 w0
         for (int k = 0; k < B; k++) {
             const u32 ow = ob + k;
             if (ow <= w1) {
-                const float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT;
 #pragma unroll
-                for (int j = 0; j < NV; j++) q[k][j] = sk_load(src + j * 32 + lane);
+                for (int j = 0; j < NV; j++) q[k][j] = sk_load(slot(ow) + j * 32);
             }
         }
 #pragma unroll
         for (int k = 0; k < B; k++) {
             const u32 ow = ob + k;
             if (ow <= w1) {
-                float* src = scratch + ((u64)ow * 2 + (ow == w0 ? s0 : 0u)) * SLOT;
 #pragma unroll
-                for (int j = 0; j < NV; j++) s[j] += sk_settle(src + j * 32 + lane, q[k][j]);
+                for (int j = 0; j < NV; j++) s[j] += sk_settle(slot(ow) + j * 32, q[k][j]);
             }
         }
     }

@@ -502,8 +502,8 @@ extern "C" __launch_bounds__(128, 2) __global__ void gemv_f8e4m3_t8(GEMV_ARGS) {
 // (consecutive; every warp holds at least one item, the launcher ensures work ≥ W) is finished by
 // the last to arrive: each writes its warp-reduced partial sums (SK_R × 8 floats) to its scratch
 // slot (slot 0 for the first unit of its range, 1 for the last), fences (sk_fence; the hand-off
-// without fences under SK_FLAGS, common.cuh), and counts itself in the unit's counter; the warp that completes the count adds the partials in warp order
-// ((p_w0 + p_w0+1) + ...) + p_w1, stores, and resets the counter to 0 (the launcher zeroes the
+// without fences under SK_FLAGS, common.cuh), and counts itself in the unit's counter; the warp
+// that completes the count adds the partials in warp order ((p_w0 + p_w0+1) + ...) + p_w1, stores, and resets the counter to 0 (the launcher zeroes the
 // counters once; every launch leaves them zero) — the scheme of gemv_mma.cu's q4mmap_body.
 //
 // DETERMINISM / T-INDEPENDENCE: output (t, n) is, for every T in 1..=8 and every instance,
