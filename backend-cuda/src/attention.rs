@@ -15,6 +15,7 @@
 
 use crate::launch::args;
 use crate::ops::kv_code;
+use crate::tensor_map::{unused_map, PlaneMap, TensorMap};
 use crate::{CudaBackend, CudaBuffer, CudaTensor};
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
 use kvstream_kernels::launch::{
@@ -136,6 +137,8 @@ fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
         + head_dim / 16 * nt * 32 * 16
         + 8 * nt * ATT_FAST_SROW * 4
         + 3 * ATT_FAST_ROWS * 4
+        // Three mbarriers (FA_TMA: the K buffers and the V buffer), padded to 32 bytes.
+        + 32
 }
 
 /// The fast kernel's configuration if it applies to `shape` over pages of geometry `g` with
@@ -217,6 +220,18 @@ fn fast_kernel_name(nt: usize, head_dim: usize) -> Option<&'static str> {
     names.get(nt.checked_sub(1)?).copied()
 }
 
+/// Fast-kernel launches so far that passed tensor maps (FA_TMA), process-wide: lets the GPU tests
+/// prove the tensor-copy path ran rather than fell back to cp.async.
+static TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether the fast kernel was built with `FA_TMA` (tensor-map chunk copies) through
+/// [`crate::compile::NVRTC_DEFINES_ENV`]: its launches then pass one K and one V tensor map per
+/// span. Off by default (not yet measured on a GPU).
+fn tma_copies() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| crate::compile::define_value("FA_TMA").is_some_and(|v| v != "0"))
+}
+
 fn force_generic() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
     *FORCE.get_or_init(|| std::env::var(FORCE_GENERIC_ENV).is_ok_and(|v| v != "0"))
@@ -241,6 +256,19 @@ fn copy_width(base: u64, g: &PageGeometry) -> i32 {
     } else {
         1
     }
+}
+
+/// The K and V tensor maps of a span of `tokens` tokens at device address `base` (FA_TMA), or
+/// `None` (with the reason at debug level) where the TMA unit cannot copy its boxes: the launch then
+/// takes the cp.async path.
+fn span_maps(g: &PageGeometry, base: u64, tokens: usize) -> Option<(TensorMap, TensorMap)> {
+    let encode = |v: bool| {
+        PlaneMap::of_span(g, base, tokens, v, ATT_FAST_CHUNK as u32)
+            .encode()
+            .map_err(|why| tracing::debug!(why, v, "attention tensor map refused"))
+            .ok()
+    };
+    Some((encode(false)?, encode(true)?))
 }
 
 /// Mirrors `struct AttnGeo` in attention.cu (repr(C), same field order and types).
@@ -400,6 +428,12 @@ impl CudaBackend {
             .find(|&(_, b)| b <= self.max_smem_optin)
     }
 
+    /// Fast-kernel launches in this process that copied K/V chunks with tensor maps (FA_TMA built
+    /// in through `KVSTREAM_NVRTC_DEFINES`, an sm_90+ device, 16-byte aligned 256-dim heads).
+    pub fn attention_tensor_map_launches(&self) -> usize {
+        TMA_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// True when an evaluation of `shape` over pages of `geometry` runs the tensor-core decode
     /// kernel (Q8_0 K / Q4_0 V, head_dim 64/128/256, group ≤ 32 query heads per KV head, pages of
     /// ≥ 64 tokens, shared memory fits, and `KVSTREAM_ATTN_GENERIC` unset). Fixed per evaluation.
@@ -458,6 +492,7 @@ impl CudaBackend {
         };
         let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
         let (ns, qt) = (splits.count as i32, cfg.qt as i32);
+        let tma = tma_copies() && self.arch_at_least(90);
         for span in plan.spans() {
             let vec = copy_width(pp + span.offset as u64, g);
             let (off, first, count) = (
@@ -465,7 +500,17 @@ impl CudaBackend {
                 span.first_token as i32,
                 span.count as i32,
             );
-            let mut a = args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &qt];
+            let maps = if tma && vec == 16 {
+                span_maps(g, pp + off, span.count)
+            } else {
+                None
+            };
+            let (tk, tv, tm) = maps.map_or((unused_map(), unused_map(), 0i32), |(k, v)| (k, v, 1));
+            if tm != 0 {
+                TMA_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            let mut a =
+                args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &qt, &tk, &tv, &tm];
             self.launch(name, f, launch, &mut a).map_err(op_err)?;
         }
         Ok(())

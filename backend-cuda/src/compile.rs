@@ -65,6 +65,20 @@ fn extra_defines() -> Vec<String> {
     parse_defines(&v)
 }
 
+/// The value [`NVRTC_DEFINES_ENV`] gives `name` (the last entry naming it), if any: the host side
+/// of a compile-time variant that changes what a launch must pass (e.g. `FA_TMA`'s tensor maps).
+pub fn define_value(name: &str) -> Option<String> {
+    let v = std::env::var(NVRTC_DEFINES_ENV).ok()?;
+    define_value_in(&v, name)
+}
+
+fn define_value_in(v: &str, name: &str) -> Option<String> {
+    parse_defines(v).into_iter().rev().find_map(|d| {
+        let (n, val) = d.strip_prefix("-D")?.split_once('=')?;
+        (n == name).then(|| val.to_string())
+    })
+}
+
 fn parse_defines(v: &str) -> Vec<String> {
     let ident = |s: &str| {
         !s.is_empty()
@@ -236,6 +250,15 @@ mod tests {
             vec!["-DQM_L2_HINT=256", "-DFA_L2_HINT=128"]
         );
         assert!(parse_defines("").is_empty());
+        assert_eq!(
+            define_value_in("FA_TMA=1,SK_FLAGS=2", "FA_TMA").as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            define_value_in("FA_TMA=1,FA_TMA=0", "FA_TMA").as_deref(),
+            Some("0")
+        );
+        assert_eq!(define_value_in("FA_TMAX=1,bad", "FA_TMA"), None);
         assert!(parse_defines("1X=2,NOVALUE,A=,B=x y,C=-1").is_empty());
     }
 

@@ -26,6 +26,7 @@ mod launch;
 mod lend;
 mod memory;
 mod ops;
+mod tensor_map;
 mod types;
 
 pub use blas::{PrefillGemm, GEMM_ENV};
@@ -201,6 +202,11 @@ impl CudaBackend {
         &self.arch
     }
 
+    /// Whether the device's compute capability (as `sm_XY`: major · 10 + minor) is at least `cc`.
+    pub(crate) fn arch_at_least(&self, cc: u32) -> bool {
+        sm_number(&self.arch).is_some_and(|n| n >= cc)
+    }
+
     /// A view `[offset, offset + len)` of `buf` (arena regions), or `None` if out of range.
     pub fn buffer_view(&self, buf: &CudaBuffer, offset: usize, len: usize) -> Option<CudaBuffer> {
         buf.view(offset, len)
@@ -265,5 +271,23 @@ mod tests {
         }
         let e = CudaBackend::new(1_000_000).err().map(|e| e.operation);
         assert_eq!(e, Some("init"));
+    }
+}
+
+/// `sm_90` → 90, `sm_100` → 100; `None` for anything else.
+fn sm_number(arch: &str) -> Option<u32> {
+    arch.strip_prefix("sm_")?.parse().ok()
+}
+
+#[cfg(test)]
+mod arch_tests {
+    use super::sm_number;
+
+    #[test]
+    fn sm_numbers_parse() {
+        assert_eq!(sm_number("sm_90"), Some(90));
+        assert_eq!(sm_number("sm_100"), Some(100));
+        assert_eq!(sm_number("sm_8x"), None);
+        assert_eq!(sm_number("compute_90"), None);
     }
 }

@@ -270,6 +270,18 @@ fn fast_decode_kernel_matches_cpu_including_27b_geometry() {
             assert!(worst < 2e-5, "{what}: max err {worst}");
         }
     }
+    // Built with FA_TMA (tensor-map chunk copies): the 256-dim cases must have taken that path.
+    let tma = kvstream_backend_cuda::compile::define_value("FA_TMA").is_some_and(|v| v != "0");
+    let sm = gpu
+        .arch()
+        .strip_prefix("sm_")
+        .and_then(|n| n.parse::<u32>().ok());
+    if tma && sm.is_some_and(|n| n >= 90) {
+        assert!(
+            gpu.attention_tensor_map_launches() > 0,
+            "FA_TMA is set but no launch used tensor maps"
+        );
+    }
 }
 
 #[test]

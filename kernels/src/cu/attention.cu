@@ -199,7 +199,8 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 // order, so layout independence holds exactly as for the generic path.
 //
 // Dynamic shared memory (bytes): kbuf[2][64][KHB] vbuf[64][VHB] qf[D/16][NT][32] (uint4)
-// sS[8·NT][FA_SROW] (f32) sM[32] sL[32] sA[32]  (KHB = D/32*34, VHB = D/32*18, NT = ceil(R/8)).
+// sS[8·NT][FA_SROW] (f32) sM[32] sL[32] sA[32] bars[3] (u64, FA_TMA; 32 bytes)  (KHB = D/32*34,
+// VHB = D/32*18, NT = ceil(R/8)).
 
 #define FA_CHUNK 64
 #define FA_THREADS 128
@@ -283,6 +284,59 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// FA_TMA (NVRTC define, default 0; sm_90 and later): each chunk's K and V tiles arrive as one
+// tensor copy each (cp.async.bulk.tensor.3d, Hopper's TMA unit) issued by one thread, completion
+// counted in bytes on an mbarrier per buffer, instead of all 128 threads walking 16-byte cp.async
+// copies (~900 warp instructions per chunk and block in session 11's ncu, and the MIO-throttle
+// stalls behind them). The launcher encodes one tensor map per plane and span: u32 elements,
+// dims (row words, tokens of a page, pages of the span), box (KHB / 4, 64, 1) — a head's 64 rows
+// land densely as [64][KHB], the cp.async layout. A tensor copy moves whole boxes: rows of a
+// partial last chunk past the span's end come along (K's are masked to -inf by the causal/span
+// bound; V's scales are zeroed after landing so p = 0 meets a finite scale). Taken where the
+// launcher encoded the maps (`tma`; it needs 16-byte aligned rows and planes: vec == 16, D = 256).
+#ifndef FA_TMA
+#define FA_TMA 0
+#endif
+#if FA_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FA_TMA_ON 1
+#else
+#define FA_TMA_ON 0
+#endif
+
+// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), passed by value as a __grid_constant__.
+struct __align__(64) FaTmap {
+    u64 opaque[16];
+};
+
+#if FA_TMA_ON
+__device__ __forceinline__ void fa_bar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the tensor copies complete on them).
+__device__ __forceinline__ void fa_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Box (c0, c1, c2) of `map` into dst (128-byte aligned), `bytes` (the box's size) expected on `bar`
+// by this phase's one arrival, made here before the copy.
+__device__ __forceinline__ void fa_tma3(u32 dst, const FaTmap* map, int c0, int c1, int c2, u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+// Waits until the barrier's phase `parity` completed (its bytes landed and are visible).
+__device__ __forceinline__ void fa_bar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+#endif
+
 // Issues the asynchronous copy of `cnt` tokens' head rows of one plane (token t of the chunk at
 // src + t * row) into dst[t][HB], without committing. `vec` is the copy width the launcher proved
 // aligned for every address (16, 4, or 1 for plain synchronous byte copies). The 16- and 4-byte
@@ -338,7 +392,7 @@ template <int NT, int D>
 __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* __restrict__ pool,
                                         float* __restrict__ state, const AttnGeo& geo, u64 span_offset,
                                         int span_first, int span_count, int n_splits, int vec, int qt,
-                                        u8* sm) {
+                                        const FaTmap* tmk, const FaTmap* tmv, int tma_maps, u8* sm) {
     constexpr int KHB = D / 32 * 34;
     constexpr int VHB = D / 32 * 18;
     constexpr int DW = D / 4;    // dims per warp in phase 3
@@ -393,6 +447,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     float* sM = sS + 8 * NT * FA_SROW;                    // [32]
     float* sL = sM + FA_ROWS;                             // [32]
     float* sA = sL + FA_ROWS;                             // [32]
+    u64* bars = (u64*)(sA + FA_ROWS);                     // [3] (FA_TMA: K buffers 0, 1; V)
     const int rowlen = D + 2;
 
     // Chunk source addresses. A 64-aligned chunk lies inside one page (pages hold a power of two
@@ -422,10 +477,47 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         fa_issue_plane<VHB>(vbuf, pg + geo.v_plane_off + slot_of(ci) * geo.v_row_bytes + (u64)kvh * VHB, cnt,
                             geo.v_row_bytes, vec);
     };
-    issue_k(0);
-    issue_v(0);
-    fa_commit();
+#if FA_TMA_ON
+    // K(ci) completes phase ci / 2 of its buffer's barrier, V(ci) phase ci of the V barrier; every
+    // issued copy is waited for before the block ends.
+    const bool tma = tma_maps != 0 && vec == 16;
+    const u32 bar0 = fa_smem_addr(bars);
+    auto kbar = [&](int ci) { return bar0 + (u32)(ci & 1) * 8u; };
+    const u32 vbar = bar0 + 16u;
+    // Box coordinates of chunk ci: (head's first word, slot in the page, page of the span).
+    auto tma_k = [&](int ci) {
+        const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
+        fa_tma3(fa_smem_addr(kbuf + (ci & 1) * FA_CHUNK * KHB), tmk, kvh * (KHB / 4), rel & (geo.tpp - 1),
+                rel >> tpp_log2, kbar(ci), FA_CHUNK * KHB);
+    };
+    auto tma_v = [&](int ci) {
+        const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
+        fa_tma3(fa_smem_addr(vbuf), tmv, kvh * (VHB / 4), rel & (geo.tpp - 1), rel >> tpp_log2, vbar,
+                FA_CHUNK * VHB);
+    };
+    if (tma) {
+        if (tid == 0) {
+            fa_bar_init(bar0);
+            fa_bar_init(bar0 + 8u);
+            fa_bar_init(vbar);
+            fa_fence_async();
+            tma_k(0);
+            tma_v(0);
+        }
+    } else
+#else
+    constexpr bool tma = false;
+    (void)tmk;
+    (void)tmv;
+    (void)tma_maps;
+    (void)bars;
+#endif
     {
+        issue_k(0);
+        issue_v(0);
+        fa_commit();
+    }
+    if (!tma) {
         // V rows past a partial first chunk are read (with p = 0) but never copied: zero them so
         // their scales are finite (uninitialised shared memory may hold NaN). Disjoint from the
         // rows in flight; later chunks leave the previous chunk's (finite) rows there.
@@ -519,12 +611,24 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     for (int ci = 0; ci < nchunks; ci++) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
         const int cnt = min(FA_CHUNK, end - c0);
-        fa_wait_all();    // K(ci) (and, for ci = 0, V(0)); V(ci - 1) was waited for in ci - 1
-        __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
-        if (ci > 0) issue_v(ci);
-        fa_commit();
-        // K(ci + 1) into the other K buffer, all at once.
-        if (ci + 1 < nchunks) issue_k(ci + 1);
+#if FA_TMA_ON
+        if (tma) {
+            fa_bar_wait(kbar(ci), (u32)(ci >> 1) & 1u);  // K(ci)
+            __syncthreads();  // everyone is done with K(ci-1) and V(ci-1)
+            if (tid == 0) {
+                if (ci > 0) tma_v(ci);
+                if (ci + 1 < nchunks) tma_k(ci + 1);
+            }
+        } else
+#endif
+        {
+            fa_wait_all();    // K(ci) (and, for ci = 0, V(0)); V(ci - 1) was waited for in ci - 1
+            __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
+            if (ci > 0) issue_v(ci);
+            fa_commit();
+            // K(ci + 1) into the other K buffer, all at once.
+            if (ci + 1 < nchunks) issue_k(ci + 1);
+        }
         const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
         const u8* vb = vbuf;
 
@@ -584,7 +688,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
-        fa_commit();  // K(ci + 1) (possibly empty): phase 3 waits for all groups but this one
+        if (!tma) fa_commit();  // K(ci + 1) (possibly empty): phase 3 waits for all groups but this one
         __syncthreads();
 
         // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i (warps w < NT: the
@@ -627,7 +731,15 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
-        fa_wait_but_newest();  // V(ci)
+#if FA_TMA_ON
+        if (tma) {
+            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
+            // The box brought rows past a partial chunk's end: zero them so their scales are
+            // finite (p = 0 there). Only the last chunk is partial, so no later copy lands here.
+            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+        } else
+#endif
+            fa_wait_but_newest();  // V(ci)
         __syncthreads();
 
         // ---- phase 3: acc = acc * alpha + V^T P^T over the chunk's 64 tokens.
@@ -751,13 +863,18 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
 // Instances with nt <= 3 are built for 3 blocks per SM (<= 168 registers with NVRTC 13.0 for
 // sm_90; n2_d256 and n3_d256 keep 16 / 24 bytes of spill: four local loads per chunk, in the copy
 // issue, none in the MMA loops); nt = 4 keeps 2 (capping it spills in the MMA loops).
+// `tmk` / `tmv`: the K / V tensor maps of the span (FA_TMA), used iff `tma_maps` != 0. Dynamic
+// shared memory starts the block's window (no static shared memory), so its base is 128-byte
+// aligned as the tensor copies need.
 #define FA_PARAMS                                                                                        \
     const float *q, const u8 *pool, float *state, AttnGeo geo, u64 span_offset, int span_first, int span_count, \
-        int n_splits, int vec, int qt
+        int n_splits, int vec, int qt, const __grid_constant__ FaTmap tmk, const __grid_constant__ FaTmap tmv, \
+        int tma_maps
 #define FA_CALL(N, DD)                                                                                     \
     {                                                                                                     \
-        extern __shared__ __align__(16) u8 fa_smem[];                                                    \
-        fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, qt, fa_smem); \
+        extern __shared__ __align__(128) u8 fa_smem[];                                                   \
+        fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, qt, &tmk, &tmv, \
+                       tma_maps, fa_smem);                                                                \
     }
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d64(FA_PARAMS) FA_CALL(1, 64)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d64(FA_PARAMS) FA_CALL(2, 64)
