@@ -297,6 +297,12 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 #ifndef FA_TMA
 #define FA_TMA 0
 #endif
+// FA_TMA_PF = d (with FA_TMA; default 0 = off): at the top of chunk ci the issuing thread also
+// prefetches the boxes the copies d chunks later will load (K(ci + 1 + d), V(ci + d)) into L2, so
+// those copies meet L2 latency: more bytes in flight without more shared memory.
+#ifndef FA_TMA_PF
+#define FA_TMA_PF 0
+#endif
 #if FA_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FA_TMA_ON 1
 #else
@@ -323,6 +329,12 @@ __device__ __forceinline__ void fa_tma3(u32 dst, const FaTmap* map, int c0, int 
         "[%5];\n" ::"r"(dst),
         "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
+}
+// Box (c0, c1, c2) of `map` into L2 only (no shared memory, no completion to wait for).
+__device__ __forceinline__ void fa_tma3_l2(const FaTmap* map, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"((u64)map), "r"(c0),
+                 "r"(c1), "r"(c2)
+                 : "memory");
 }
 // Waits until the barrier's phase `parity` completed (its bytes landed and are visible).
 __device__ __forceinline__ void fa_bar_wait(u32 bar, u32 parity) {
@@ -495,6 +507,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         fa_tma3(fa_smem_addr(vbuf), tmv, kvh * (VHB / 4), rel & (geo.tpp - 1), rel >> tpp_log2, vbar,
                 FA_CHUNK * VHB);
     };
+    auto tma_l2 = [&](const FaTmap* map, int words, int ci) {
+        const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
+        fa_tma3_l2(map, kvh * words, rel & (geo.tpp - 1), rel >> tpp_log2);
+    };
     if (tma) {
         if (tid == 0) {
             fa_bar_init(bar0);
@@ -618,6 +634,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             if (tid == 0) {
                 if (ci > 0) tma_v(ci);
                 if (ci + 1 < nchunks) tma_k(ci + 1);
+                if constexpr (FA_TMA_PF > 0) {
+                    if (ci + 1 + FA_TMA_PF < nchunks) tma_l2(tmk, KHB / 4, ci + 1 + FA_TMA_PF);
+                    if (ci + FA_TMA_PF < nchunks) tma_l2(tmv, VHB / 4, ci + FA_TMA_PF);
+                }
             }
         } else
 #endif
