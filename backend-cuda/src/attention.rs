@@ -224,12 +224,12 @@ fn fast_kernel_name(nt: usize, head_dim: usize) -> Option<&'static str> {
 /// prove the tensor-copy path ran rather than fell back to cp.async.
 static TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Whether the fast kernel was built with `FA_TMA` (tensor-map chunk copies) through
-/// [`crate::compile::NVRTC_DEFINES_ENV`]: its launches then pass one K and one V tensor map per
-/// span. Off by default (not yet measured on a GPU).
+/// Whether the fast kernel is built with `FA_TMA` (tensor-map chunk copies; the default, turned off
+/// by `FA_TMA=0` in [`crate::compile::NVRTC_DEFINES_ENV`]): its launches then pass one K and one V
+/// tensor map per span.
 fn tma_copies() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| crate::compile::define_value("FA_TMA").is_some_and(|v| v != "0"))
+    *ON.get_or_init(|| crate::compile::define_value("FA_TMA").is_none_or(|v| v != "0"))
 }
 
 fn force_generic() -> bool {
