@@ -203,7 +203,7 @@ impl CudaBackend {
     }
 
     /// Whether the device's compute capability (as `sm_XY`: major · 10 + minor) is at least `cc`.
-    pub(crate) fn arch_at_least(&self, cc: u32) -> bool {
+    pub fn arch_at_least(&self, cc: u32) -> bool {
         sm_number(&self.arch).is_some_and(|n| n >= cc)
     }
 

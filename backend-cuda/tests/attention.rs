@@ -273,11 +273,7 @@ fn fast_decode_kernel_matches_cpu_including_27b_geometry() {
     // Built with FA_TMA (tensor-map chunk copies, the default on sm_90+): the 256-dim cases must
     // have taken that path.
     let tma = kvstream_backend_cuda::compile::define_value("FA_TMA").is_none_or(|v| v != "0");
-    let sm = gpu
-        .arch()
-        .strip_prefix("sm_")
-        .and_then(|n| n.parse::<u32>().ok());
-    if tma && sm.is_some_and(|n| n >= 90) {
+    if tma && gpu.arch_at_least(90) {
         assert!(
             gpu.attention_tensor_map_launches() > 0,
             "FA_TMA is set but no launch used tensor maps"
