@@ -428,8 +428,9 @@ impl CudaBackend {
             .find(|&(_, b)| b <= self.max_smem_optin)
     }
 
-    /// Fast-kernel launches in this process that copied K/V chunks with tensor maps (FA_TMA built
-    /// in through `KVSTREAM_NVRTC_DEFINES`, an sm_90+ device, 16-byte aligned 256-dim heads).
+    /// Fast-kernel launches in this process that copied K/V chunks with tensor maps (FA_TMA, the
+    /// default unless `KVSTREAM_NVRTC_DEFINES` sets `FA_TMA=0`; an sm_90+ device, 16-byte aligned
+    /// 256-dim heads).
     pub fn attention_tensor_map_launches(&self) -> usize {
         TMA_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
     }
