@@ -11,7 +11,7 @@
 # one width-1 launch of the tensor-core kernel (stall reasons per issued instruction, instruction
 # count, and per-SASS-instruction source counters as $OUT/att-sass.csv.xz), racecheck on the
 # streamed-equals-resident test (the whole suite under racecheck takes > 120 s on an H100), the
-# engine check.
+# engine check (NCU_ONLY=1 stops after the profile).
 set -u
 D=.device-bin
 OUT=${OUT:-/tmp/kvstream-attn}
@@ -83,6 +83,11 @@ if len(rows) >= 3:
 wc -l "$OUT/att-sass.csv"
 xz -9 -f "$OUT/att-sass.csv"
 rm -f "$OUT/att.ncu-rep"
+# NCU_ONLY=1: stop after the profile (no racecheck or engine check).
+if [ -n "${NCU_ONLY:-}" ]; then
+  cat "$S"
+  exit 0
+fi
 step racecheck 120 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 99 \
   "$D/test-attention" --include-ignored --test-threads=1 fast_decode_kernel_streamed_equals_resident_bit_for_bit
 grep -hE "RACECHECK SUMMARY|ERROR SUMMARY|test result" "$OUT/racecheck.log" | head -4
