@@ -858,17 +858,14 @@ extern "C" __global__ void gemv_q4nl_i8c_xprep(const float* __restrict__ x, uint
 
 // Builds: 1, 2 and 4 token pairs (T ≤ 2, 4, 8), x read from global memory or staged (`_xs`);
 // 2 blocks of 8 warps per SM, 4-stage ring (3 stages for 4 pairs reading x from global memory:
-// 4 spill). The ring depth moves loads only, never the arithmetic. QC_RING1: the ring depth of the
-// 1-pair builds (6 stages: 126 registers, no spills; no faster on an H100 in session 17, to be
-// timed on an H200, whose bandwidth needs ~1.4× the bytes in flight).
-#ifndef QC_RING1
-#define QC_RING1 4
-#endif
+// 4 spill). The ring depth moves loads only, never the arithmetic. A 6-stage ring in the 1-pair
+// builds (126 registers, no spills) was no faster on an H100 (session 17) nor on an H200 (session
+// 20: -1 to -3 points of HBM on five of the six 27B shapes), so every 1-pair build keeps 4.
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_RING1, 1, false>(Q4MMAP_PASS);
+    q4i8c_body<false, 4, 1, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c1_xs(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_RING1, 1, false>(Q4MMAP_PASS);
+    q4i8c_body<true, 4, 1, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c2(Q4MMAP_ARGS) {
     q4i8c_body<false, 4, 2, false>(Q4MMAP_PASS);
@@ -883,10 +880,10 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4i8c4_xs(Q4
     q4i8c_body<true, 4, 4, false>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1(Q4MMAP_ARGS) {
-    q4i8c_body<false, QC_RING1, 1, true>(Q4MMAP_PASS);
+    q4i8c_body<false, 4, 1, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c1_xs(Q4MMAP_ARGS) {
-    q4i8c_body<true, QC_RING1, 1, true>(Q4MMAP_PASS);
+    q4i8c_body<true, 4, 1, true>(Q4MMAP_PASS);
 }
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c2(Q4MMAP_ARGS) {
     q4i8c_body<false, 4, 2, true>(Q4MMAP_PASS);
