@@ -139,6 +139,15 @@ fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
         + 3 * ATT_FAST_ROWS * 4
         // Three mbarriers (FA_TMA: the K buffers and the V buffer), padded to 32 bytes.
         + 32
+        // FA_PIPE: the second score buffer.
+        + if pipelined_softmax() { 8 * nt * ATT_FAST_SROW * 4 } else { 0 }
+}
+
+/// Whether the fast kernel is built with `FA_PIPE=1` (an A/B define, off by default: warp 0's
+/// softmax of a chunk overlaps the QK of the next on the tensor-map path, scores double buffered).
+fn pipelined_softmax() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| crate::compile::define_value("FA_PIPE").is_some_and(|v| v != "0"))
 }
 
 /// The fast kernel's configuration if it applies to `shape` over pages of geometry `g` with

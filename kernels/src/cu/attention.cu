@@ -200,7 +200,7 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 //
 // Dynamic shared memory (bytes): kbuf[2][64][KHB] vbuf[64][VHB] qf[D/16][NT][32] (uint4)
 // sS[8·NT][FA_SROW] (f32) sM[32] sL[32] sA[32] bars[3] (u64, FA_TMA; 32 bytes)  (KHB = D/32*34,
-// VHB = D/32*18, NT = ceil(R/8)).
+// VHB = D/32*18, NT = ceil(R/8)); FA_PIPE adds sS2[8·NT][FA_SROW] (f32) after the barriers.
 
 #define FA_CHUNK 64
 #define FA_THREADS 128
@@ -302,6 +302,18 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 #define FA_TMA_ON 1
 #else
 #define FA_TMA_ON 0
+#endif
+
+// FA_PIPE (NVRTC define, default 0, A/B for an H200; needs FA_TMA's path): see the pipelined loop
+// in fa_body. Adds a second score buffer (8·NT rows of FA_SROW floats) after the barriers, which the
+// launcher adds to the block's shared memory when the define is set.
+#ifndef FA_PIPE
+#define FA_PIPE 0
+#endif
+#if FA_PIPE && FA_TMA_ON
+#define FA_PIPE_ON 1
+#else
+#define FA_PIPE_ON 0
 #endif
 
 // A CUtensorMap (opaque, 128 bytes, 64-byte aligned), passed by value as a __grid_constant__.
@@ -505,6 +517,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             tma_k(0);
             tma_v(0);
         }
+        __syncthreads();  // the barriers are initialised before any thread waits on them
     } else
 #else
     constexpr bool tma = false;
@@ -609,30 +622,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             slim[nt][j] = r < R ? min(lim0 + q0 + r / G, end - 1) : -1;
         }
     }
-    for (int ci = 0; ci < nchunks; ci++) {
+    // The three phases of a chunk, as the loops below run them (sSb: the chunk's score rows).
+    auto qk_phase = [&](int ci, float* sSb) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
-        const int cnt = min(FA_CHUNK, end - c0);
-#if FA_TMA_ON
-        if (tma) {
-            fa_bar_wait(kbar(ci), (u32)(ci >> 1) & 1u);  // K(ci)
-            __syncthreads();  // everyone is done with K(ci-1) and V(ci-1)
-            if (tid == 0) {
-                if (ci > 0) tma_v(ci);
-                if (ci + 1 < nchunks) tma_k(ci + 1);
-            }
-        } else
-#endif
-        {
-            fa_wait_all();    // K(ci) (and, for ci = 0, V(0)); V(ci - 1) was waited for in ci - 1
-            __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
-            if (ci > 0) issue_v(ci);
-            fa_commit();
-            // K(ci + 1) into the other K buffer, all at once.
-            if (ci + 1 < nchunks) issue_k(ci + 1);
-        }
         const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
-        const u8* vb = vbuf;
-
         // ---- phase 1: S[row][token] for tokens 16w + g and 16w + g + 8.
         {
             float sacc[NT][4];
@@ -685,13 +678,12 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 for (int i = 0; i < 4; i++) {
                     const int r = nt * 8 + 2 * tq + (i & 1);
                     const int t = (i >> 1) ? tB : tA;
-                    sS[r * FA_SROW + t] = c0 + t <= slim[nt][i & 1] ? sacc[nt][i] : NEG_INF;
+                    sSb[r * FA_SROW + t] = c0 + t <= slim[nt][i & 1] ? sacc[nt][i] : NEG_INF;
                 }
             }
         }
-        if (!tma) fa_commit();  // K(ci + 1) (possibly empty): phase 3 waits for all groups but this one
-        __syncthreads();
-
+    };
+    auto softmax_phase = [&](float* sSb) {
         // ---- phase 2: online softmax, row 8w + lane/4, tokens lane%4 + 4i (warps w < NT: the
         // others hold only padding rows, whose alpha stays 1 and which are never written out).
         // Measured against all four warps taking rows (16 lanes per row): the spread costs width 4
@@ -699,7 +691,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         if (w < NT) {
             const int rs = lane >> 2, part = lane & 3;
             const int r = w * 8 + rs;
-            float* row = sS + r * FA_SROW;
+            float* row = sSb + r * FA_SROW;
             float v[16];
             float mx = NEG_INF;
 #pragma unroll
@@ -732,17 +724,9 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
-#if FA_TMA_ON
-        if (tma) {
-            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
-            // The box brought rows past a partial chunk's end: zero them so their scales are
-            // finite (p = 0 there). Only the last chunk is partial, so no later copy lands here.
-            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
-        } else
-#endif
-            fa_wait_but_newest();  // V(ci)
-        __syncthreads();
-
+    };
+    auto pv_phase = [&](const float* sSb) {
+        const u8* vb = vbuf;
         // ---- phase 3: acc = acc * alpha + V^T P^T over the chunk's 64 tokens.
         {
 #pragma unroll
@@ -767,7 +751,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 float pv[NT][4];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const float* pr = sS + (nt * 8 + g) * FA_SROW + t0;
+                    const float* pr = sSb + (nt * 8 + g) * FA_SROW + t0;
                     const float2 pa = *(const float2*)pr;
                     const float2 pb = *(const float2*)(pr + 8);
                     pv[nt][0] = pa.x;
@@ -832,6 +816,76 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 }
             }
         }
+    };
+#if FA_PIPE_ON
+    if (tma) {
+        // FA_PIPE: warp 0's softmax of chunk ci overlaps the other warps' QK of chunk ci + 1 (the
+        // scores double buffered in sS and sS2), two block barriers per chunk instead of three. Every
+        // score, probability and accumulator is computed as in the loop below (the same phases in
+        // the same order per row), so the results are that loop's bits. K runs two chunks ahead:
+        // K(ci + 3) goes into the buffer QK(ci + 1) has just released.
+        float* const sS2 = (float*)((u8*)bars + 32);
+        if (tid == 0 && nchunks > 1) tma_k(1);
+        fa_bar_wait(kbar(0), 0u);
+        __syncthreads();  // the query fragments and row state are visible
+        qk_phase(0, sS);
+        __syncthreads();  // QK(0) done: K buffer 0 is free
+        if (tid == 0 && nchunks > 2) tma_k(2);
+        for (int ci = 0; ci < nchunks; ci++) {
+            float* const sc = (ci & 1) ? sS2 : sS;
+            float* const sn = (ci & 1) ? sS : sS2;
+            const int cnt = min(FA_CHUNK, end - (cfirst + ci * n_splits) * FA_CHUNK);
+            softmax_phase(sc);
+            if (ci + 1 < nchunks) {
+                fa_bar_wait(kbar(ci + 1), (u32)((ci + 1) >> 1) & 1u);  // K(ci + 1)
+                qk_phase(ci + 1, sn);
+            }
+            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci); a partial chunk's extra rows get zero scales
+            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+            __syncthreads();  // P(ci) and alpha visible; QK(ci + 1) done, its K buffer free
+            if (tid == 0 && ci + 3 < nchunks) tma_k(ci + 3);
+            pv_phase(sc);
+            __syncthreads();  // V(ci) and P(ci) consumed
+            if (tid == 0 && ci + 1 < nchunks) tma_v(ci + 1);
+        }
+    } else
+#endif
+    for (int ci = 0; ci < nchunks; ci++) {
+        const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
+        const int cnt = min(FA_CHUNK, end - c0);
+#if FA_TMA_ON
+        if (tma) {
+            fa_bar_wait(kbar(ci), (u32)(ci >> 1) & 1u);  // K(ci)
+            __syncthreads();  // everyone is done with K(ci-1) and V(ci-1)
+            if (tid == 0) {
+                if (ci > 0) tma_v(ci);
+                if (ci + 1 < nchunks) tma_k(ci + 1);
+            }
+        } else
+#endif
+        {
+            fa_wait_all();    // K(ci) (and, for ci = 0, V(0)); V(ci - 1) was waited for in ci - 1
+            __syncthreads();  // K(ci) visible to all; everyone is done with K(ci-1) and V(ci-1)
+            if (ci > 0) issue_v(ci);
+            fa_commit();
+            // K(ci + 1) into the other K buffer, all at once.
+            if (ci + 1 < nchunks) issue_k(ci + 1);
+        }
+        qk_phase(ci, sS);
+        if (!tma) fa_commit();  // K(ci + 1) (possibly empty): phase 3 waits for all groups but this one
+        __syncthreads();
+        softmax_phase(sS);
+#if FA_TMA_ON
+        if (tma) {
+            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
+            // The box brought rows past a partial chunk's end: zero them so their scales are
+            // finite (p = 0 there). Only the last chunk is partial, so no later copy lands here.
+            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+        } else
+#endif
+            fa_wait_but_newest();  // V(ci)
+        __syncthreads();
+        pv_phase(sS);
     }
 
     // Write the state back (each value by exactly one thread).
