@@ -9,9 +9,11 @@ V (one mbarrier), the score buffers S0 (sS) and S1 (sS2, FA_PIPE only). Events:
 
   issue B c   thread 0 arms B's barrier and starts the copy of chunk c into B
   wait B c    every thread waits for the barrier phase of chunk c on B
-  read B c    threads read chunk c's data from B (QK reads K, PV reads V and P)
-  write B c   threads write chunk c's scores / probabilities into B
+  read B c    threads read chunk c's data from B (QK reads K, PV reads V)
   zero V c    threads zero the rows past a partial chunk c in V
+  qk S c      QK of chunk c writes its scores into score buffer S
+  softmax S c the softmax of chunk c turns S's scores into probabilities
+  pv S c      PV of chunk c reads S's probabilities
 
 Rules (a violation is a race or a hang on the GPU):
   * a read or zero of (B, c) happens after a wait of (B, c) in the same segment (each thread's own
@@ -19,9 +21,9 @@ Rules (a violation is a race or a hang on the GPU):
   * an issue into B needs every earlier copy into B waited for (one barrier phase in flight: the
     parity wait cannot tell phase n from n + 2), and no read of B's previous chunk in the same
     segment (another thread may still be reading it);
-  * writes and reads of a score buffer in one segment belong to one chunk and one phase: S(c) is
-    written by QK(c), read and rewritten by the softmax of c, read by PV(c), in three different
-    segments, and a buffer is not rewritten for c + 2 before PV(c) has read it in an earlier segment;
+  * a score buffer takes one phase per segment, in the order qk(c), softmax(c), pv(c), then
+    qk(c + 2) (FA_PIPE's two buffers) or qk(c + 1) (the default loop's one), each in a later
+    segment than the one before;
   * every chunk's QK, softmax and PV run exactly once, in chunk order, and every issued copy is
     waited for by the end.
 Exit status 1 on a violation (CI runs this).
@@ -41,10 +43,9 @@ def default_loop(n):
             seg.append(("issue", "V", ci))
         if ci + 1 < n:
             seg.append(("issue", f"K{(ci + 1) & 1}", ci + 1))
-        seg += [("read", kb, ci), ("write", "S0", ci), ("qk", None, ci)]
-        segs.append([("read", "S0", ci), ("write", "S0", ci), ("softmax", None, ci)])
-        segs[-1] += [("wait", "V", ci), ("zero", "V", ci)]
-        segs.append([("read", "V", ci), ("read", "S0", ci), ("pv", None, ci)])
+        seg += [("read", kb, ci), ("qk", "S0", ci)]
+        segs.append([("softmax", "S0", ci), ("wait", "V", ci), ("zero", "V", ci)])
+        segs.append([("read", "V", ci), ("pv", "S0", ci)])
     return segs
 
 
@@ -53,23 +54,23 @@ def pipe_loop(n):
     if n > 1:
         segs[-1].append(("issue", "K1", 1))
     segs[-1].append(("wait", "K0", 0))
-    segs.append([("read", "K0", 0), ("write", "S0", 0), ("qk", None, 0)])
+    segs.append([("read", "K0", 0), ("qk", "S0", 0)])
     segs.append([])
     if n > 2:
         segs[-1].append(("issue", "K0", 2))
     for ci in range(n):
         sc, sn = f"S{ci & 1}", f"S{(ci + 1) & 1}"
         seg = segs[-1]
-        seg += [("read", sc, ci), ("write", sc, ci), ("softmax", None, ci)]
+        seg.append(("softmax", sc, ci))
         if ci + 1 < n:
             kb = f"K{(ci + 1) & 1}"
-            seg += [("wait", kb, ci + 1), ("read", kb, ci + 1), ("write", sn, ci + 1), ("qk", None, ci + 1)]
+            seg += [("wait", kb, ci + 1), ("read", kb, ci + 1), ("qk", sn, ci + 1)]
         seg += [("wait", "V", ci), ("zero", "V", ci)]
         segs.append([])  # P(ci) visible; QK(ci + 1) done
         seg = segs[-1]
         if ci + 3 < n:
             seg.append(("issue", f"K{(ci + 3) & 1}", ci + 3))
-        seg += [("read", "V", ci), ("read", sc, ci), ("pv", None, ci)]
+        seg += [("read", "V", ci), ("pv", sc, ci)]
         segs.append([])  # V(ci) and P(ci) consumed
         if ci + 1 < n:
             segs[-1].append(("issue", "V", ci + 1))
@@ -106,26 +107,19 @@ def check(segs, n, name):
                     errors.append(f"{where}: not waited for")
             elif op in done:
                 done[op].append(c)
-        # Score buffers: one chunk and one stage per segment.
+        # Score buffers: one phase per segment, in order.
         for b in ("S0", "S1"):
-            ops = [(op, c) for op, bb, c in seg if bb == b]
-            if not ops:
+            phases = [(op, c) for op, bb, c in seg if bb == b and op in done]
+            if len(phases) > 1:
+                errors.append(f"{name} n={n} segment {si}: {b} takes {phases} in one segment")
                 continue
-            chunks = {c for _, c in ops}
-            if len(chunks) != 1:
-                errors.append(f"{name} n={n} segment {si}: {b} holds chunks {sorted(chunks)} at once")
+            if not phases:
                 continue
-            (c,) = chunks
-            stage = next(op for op, bb, cc in seg if op in done and cc == c and
-                         ((op == "qk" and ("write", b, c) in [(o, x, y) for o, x, y in seg]) or
-                          (op != "qk" and ("read", b, c) in [(o, x, y) for o, x, y in seg])))
+            stage, c = phases[0]
             prev = s_state.get(b)
-            want = {"qk": ("pv", c - 2), "softmax": ("qk", c), "pv": ("softmax", c)}[stage]
-            if stage == "qk" and prev is None:
-                pass
-            elif stage == "qk" and name == "default" and prev == ("pv", c - 1):
-                pass  # the default loop reuses one buffer for every chunk
-            elif prev != want:
+            step = 1 if name == "default" else 2
+            want = {"qk": ("pv", c - step), "softmax": ("qk", c), "pv": ("softmax", c)}[stage]
+            if prev != want and not (stage == "qk" and prev is None):
                 errors.append(f"{name} n={n} segment {si}: {b} {stage}({c}) after {prev}")
             s_state[b] = (stage, c)
     for op, cs in done.items():
@@ -152,6 +146,25 @@ def main():
         return segs
     if not check(broken(6), 6, "broken"):
         errors.append("the checker accepted a schedule that overwrites a K buffer in use")
+
+    # ... the barrier between the softmax / next QK and PV dropped.
+    def no_barrier(n):
+        out = []
+        for seg in pipe_loop(n):
+            if out and any(op == "pv" for op, _, _ in seg):
+                out[-1] += seg
+            else:
+                out.append(seg)
+        return out
+    if not check(no_barrier(5), 5, "no_barrier"):
+        errors.append("the checker accepted PV in the segment of its own softmax")
+
+    # ... and QK(ci + 1) writing the score buffer the softmax of ci is using.
+    def one_buffer(n):
+        return [[(op, "S0" if op in ("qk", "softmax", "pv") else b, c) for op, b, c in seg]
+                for seg in pipe_loop(n)]
+    if not check(one_buffer(4), 4, "one_buffer"):
+        errors.append("the checker accepted two chunks in one score buffer at once")
     for e in errors:
         print(e)
     if errors:
