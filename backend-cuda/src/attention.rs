@@ -147,7 +147,7 @@ fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
 /// softmax of a chunk overlaps the QK of the next on the tensor-map path, scores double buffered).
 fn pipelined_softmax() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| crate::compile::define_value("FA_PIPE").is_some_and(|v| v != "0"))
+    *ON.get_or_init(|| crate::compile::define_on("FA_PIPE", false))
 }
 
 /// The fast kernel's configuration if it applies to `shape` over pages of geometry `g` with
@@ -238,7 +238,7 @@ static TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicU
 /// tensor map per span.
 fn tma_copies() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| crate::compile::define_value("FA_TMA").is_none_or(|v| v != "0"))
+    *ON.get_or_init(|| crate::compile::define_on("FA_TMA", true))
 }
 
 fn force_generic() -> bool {

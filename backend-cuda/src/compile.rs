@@ -72,6 +72,22 @@ pub fn define_value(name: &str) -> Option<String> {
     define_value_in(&v, name)
 }
 
+/// Whether the on/off define `name` is on: its [`define_value`] is not `0`, or `default` where
+/// [`NVRTC_DEFINES_ENV`] does not name it (the kernel source's own default).
+pub fn define_on(name: &str, default: bool) -> bool {
+    define_on_in(
+        std::env::var(NVRTC_DEFINES_ENV).ok().as_deref(),
+        name,
+        default,
+    )
+}
+
+fn define_on_in(defines: Option<&str>, name: &str, default: bool) -> bool {
+    defines
+        .and_then(|v| define_value_in(v, name))
+        .map_or(default, |v| v != "0")
+}
+
 fn define_value_in(v: &str, name: &str) -> Option<String> {
     parse_defines(v).into_iter().rev().find_map(|d| {
         let (n, val) = d.strip_prefix("-D")?.split_once('=')?;
@@ -259,6 +275,11 @@ mod tests {
             Some("0")
         );
         assert_eq!(define_value_in("FA_TMAX=1,bad", "FA_TMA"), None);
+        // On/off defines: unset keeps the source's default, 0 turns off, anything else on.
+        assert!(define_on_in(None, "FA_TMA", true));
+        assert!(!define_on_in(Some("SK_FLAGS=2"), "FA_PIPE", false));
+        assert!(!define_on_in(Some("FA_TMA=0"), "FA_TMA", true));
+        assert!(define_on_in(Some("FA_PIPE=1"), "FA_PIPE", false));
         assert!(parse_defines("1X=2,NOVALUE,A=,B=x y,C=-1").is_empty());
     }
 
