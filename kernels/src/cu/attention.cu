@@ -531,13 +531,17 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         issue_v(0);
         fa_commit();
     }
+    // Zeroes the V buffer's rows from `cnt` on (the rows a partial chunk does not fill).
+    auto zero_v_rows_from = [&](int cnt) {
+        for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+    };
     if (!tma) {
         // V rows past a partial first chunk are read (with p = 0) but never copied: zero them so
         // their scales are finite (uninitialised shared memory may hold NaN). Disjoint from the
         // rows in flight; later chunks leave the previous chunk's (finite) rows there.
         int cnt0;
         (void)where(0, cnt0);
-        for (int e = cnt0 * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+        zero_v_rows_from(cnt0);
     }
 
     // Row r's state record (m, l, then D accumulator values) and query vector: one integer
@@ -841,7 +845,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 qk_phase(ci + 1, sn);
             }
             fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci); a partial chunk's extra rows get zero scales
-            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+            zero_v_rows_from(cnt);
             __syncthreads();  // P(ci) and alpha visible; QK(ci + 1) done, its K buffer free
             if (tid == 0 && ci + 3 < nchunks) tma_k(ci + 3);
             pv_phase(sc);
@@ -880,7 +884,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
             // The box brought rows past a partial chunk's end: zero them so their scales are
             // finite (p = 0 there). Only the last chunk is partial, so no later copy lands here.
-            for (int e = cnt * VHB + tid * 4; e < FA_CHUNK * VHB; e += FA_THREADS * 4) *(u32*)(vbuf + e) = 0u;
+            zero_v_rows_from(cnt);
         } else
 #endif
             fa_wait_but_newest();  // V(ci)
