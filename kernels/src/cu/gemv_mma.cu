@@ -79,6 +79,24 @@ __device__ __forceinline__ void qm_grid_launch_dependents() { grid_launch_depend
 
 __device__ __forceinline__ void qm_grid_wait() { grid_dependency_wait(); }
 
+// QM_TRIGGER=1: the GEMV also lets ITS programmatic dependents (the fused-prep RMSNorm / SwiGLU /
+// sigmoid gate after it, and through their own early trigger the next q4 GEMV) launch as soon as
+// every block has issued its first weight loads, instead of implicitly as its blocks exit. The
+// dependents wait in `griddepcontrol.wait` for this grid's completion and memory before they read
+// anything, so nothing they compute changes; what changes is that the next GEMV's blocks take the
+// SMs this grid's blocks free during its tail (stream-K fix-ups, the last items) and stream their
+// first weights there, instead of after a launch gap. Every block of this grid is resident when
+// it triggers (the trigger fires once all of them have), so a dependent never holds a slot this
+// grid needs. A/B define; 0 = trigger at exit.
+#ifndef QM_TRIGGER
+#define QM_TRIGGER 0
+#endif
+__device__ __forceinline__ void qm_trigger_dependents() {
+#if QM_TRIGGER
+    grid_launch_dependents();
+#endif
+}
+
 // Streaming 16-byte load (read once: no L1 allocation). QM_L2_HINT (0, 128 or 256; other values via
 // KVSTREAM_NVRTC_DEFINES for A/B builds) asks L2 to fetch that many bytes around the address: a
 // warp's next item is the same 16 rows' next 64-byte group, so the 128-byte fetch turns two
@@ -280,7 +298,8 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_grid_wait();                          // x from here on
+    qm_trigger_dependents();
+    qm_grid_wait();  // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, NG * 32u, tstride);
     if (i0 >= i1) return;
 
@@ -514,7 +533,8 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_grid_wait();                          // x from here on
+    qm_trigger_dependents();
+    qm_grid_wait();  // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
     if (i0 >= i1) return;
 
@@ -769,7 +789,8 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_grid_wait();                          // x from here on
+    qm_trigger_dependents();
+    qm_grid_wait();  // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
     if (i0 >= i1) return;
 
