@@ -88,9 +88,8 @@ __device__ __forceinline__ void grid_launch_dependents() {
 // kernel's completion and memory before it touches anything that kernel (or any before it) wrote.
 // A no-op for a kernel launched normally. The fused-prep producers (RMSNorms, SwiGLU, sigmoid
 // gate) call it first thing, so the launcher starts them as dependents of the q4 GEMV before them
-// (whose blocks trigger implicitly as they exit, or after their first weight loads under
-// QM_TRIGGER, gemv_mma.cu): their launch overlaps that GEMV's tail (KVSTREAM_PDL_PRODUCERS,
-// backend-cuda/src/ops/pointwise.rs).
+// (whose blocks trigger implicitly as they exit): their launch overlaps that GEMV's tail
+// (KVSTREAM_PDL_PRODUCERS, backend-cuda/src/ops/pointwise.rs).
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -74,28 +74,14 @@ __device__ __forceinline__ u32 qm_word(const uint4& v, int i) {
 // Programmatic dependent launch (sm_90): the x-prep kernels let the GEMV that follows them start
 // at once (`qm_grid_launch_dependents`); the GEMV streams its first weights, then waits for the
 // x-prep grid's completion and memory (`qm_grid_wait`) before it reads x. Both are no-ops for a
-// kernel launched without the programmatic-serialization attribute.
+// kernel launched without the programmatic-serialization attribute. The GEMV itself triggers its
+// dependents only implicitly, as its blocks exit: an explicit trigger once its first weights are in
+// flight let the next GEMV's blocks start in this one's tail (-0.8 to -1.5 µs per call in a
+// GEMV-after-GEMV chain) but made decode slower, +0.3 to +0.9% per 27B q4 step on an H100
+// (session 17) and +3.7 / +4.7% at 8 / 32 Ki on an H200 (session 21): measured twice, dropped.
 __device__ __forceinline__ void qm_grid_launch_dependents() { grid_launch_dependents(); }
 
 __device__ __forceinline__ void qm_grid_wait() { grid_dependency_wait(); }
-
-// QM_TRIGGER=1: the GEMV also lets ITS programmatic dependents (the fused-prep RMSNorm / SwiGLU /
-// sigmoid gate after it, and through their own early trigger the next q4 GEMV) launch as soon as
-// every block has issued its first weight loads, instead of implicitly as its blocks exit. The
-// dependents wait in `griddepcontrol.wait` for this grid's completion and memory before they read
-// anything, so nothing they compute changes; what changes is that the next GEMV's blocks take the
-// SMs this grid's blocks free during its tail (stream-K fix-ups, the last items) and stream their
-// first weights there, instead of after a launch gap. Every block of this grid is resident when
-// it triggers (the trigger fires once all of them have), so a dependent never holds a slot this
-// grid needs. A/B define; 0 = trigger at exit.
-#ifndef QM_TRIGGER
-#define QM_TRIGGER 0
-#endif
-__device__ __forceinline__ void qm_trigger_dependents() {
-#if QM_TRIGGER
-    grid_launch_dependents();
-#endif
-}
 
 // Streaming 16-byte load (read once: no L1 allocation). QM_L2_HINT (0, 128 or 256; other values via
 // KVSTREAM_NVRTC_DEFINES for A/B builds) asks L2 to fetch that many bytes around the address: a
@@ -298,8 +284,7 @@ __device__ __forceinline__ void q4mmap_body(const uint4* __restrict__ xf, const 
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_trigger_dependents();
-    qm_grid_wait();  // x from here on
+    qm_grid_wait();                          // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, NG * 32u, tstride);
     if (i0 >= i1) return;
 
@@ -533,8 +518,7 @@ __device__ __forceinline__ void q4i8p_body(const uint4* __restrict__ xf, const u
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_trigger_dependents();
-    qm_grid_wait();  // x from here on
+    qm_grid_wait();                          // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
     if (i0 >= i1) return;
 
@@ -789,8 +773,7 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     };
 #pragma unroll
     for (int s = 0; s < QP_P; s++) load(s);  // weights: independent of the previous kernel
-    qm_trigger_dependents();
-    qm_grid_wait();  // x from here on
+    qm_grid_wait();                          // x from here on
     if (XS) qp_stage_x(qp_xs, xf, T, per, tstride);
     if (i0 >= i1) return;
 
