@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Host check of the fast attention kernel's buffer protocol on the tensor-map path (attention.cu,
-`fa_body`): the default loop and the FA_PIPE loop, for every chunk count a block can get.
+`fa_body`): the default loop, the FA_PIPE loop and the FA_KBUF1 loop (one K buffer), for every
+chunk count a block can get.
 
 The kernel's 128 threads run between block barriers in any interleaving, so each loop is modelled
 as a list of segments (the code between two `__syncthreads`); within a segment the events of
@@ -77,6 +78,22 @@ def pipe_loop(n):
     return segs
 
 
+def kbuf1_loop(n):
+    segs = [[("issue", "K0", 0), ("issue", "V", 0)]]
+    segs.append([])  # __syncthreads: the query fragments and row state are visible
+    for ci in range(n):
+        segs[-1] += [("wait", "K0", ci), ("read", "K0", ci), ("qk", "S0", ci)]
+        segs.append([])  # QK(ci) done: the K buffer is free
+        if ci + 1 < n:
+            segs[-1].append(("issue", "K0", ci + 1))
+        segs[-1] += [("softmax", "S0", ci), ("wait", "V", ci), ("zero", "V", ci)]
+        segs.append([("read", "V", ci), ("pv", "S0", ci)])  # P(ci), alpha and V(ci) visible
+        segs.append([])  # PV(ci) done: V and the scores are free
+        if ci + 1 < n:
+            segs[-1].append(("issue", "V", ci + 1))
+    return segs
+
+
 def check(segs, n, name):
     newest = {}  # buffer -> chunk of the newest copy
     waited = {}  # buffer -> set of chunks waited for
@@ -117,7 +134,7 @@ def check(segs, n, name):
                 continue
             stage, c = phases[0]
             prev = s_state.get(b)
-            step = 1 if name == "default" else 2
+            step = 1 if name in ("default", "kbuf1", "kbuf1_early") else 2
             want = {"qk": ("pv", c - step), "softmax": ("qk", c), "pv": ("softmax", c)}[stage]
             if prev != want and not (stage == "qk" and prev is None):
                 errors.append(f"{name} n={n} segment {si}: {b} {stage}({c}) after {prev}")
@@ -136,6 +153,7 @@ def main():
     for n in range(1, 12):
         errors += check(default_loop(n), n, "default")
         errors += check(pipe_loop(n), n, "pipe")
+        errors += check(kbuf1_loop(n), n, "kbuf1")
     # The checker must catch a broken schedule: K(ci + 2) issued where K(ci + 3) belongs.
     def broken(n):
         segs = pipe_loop(n)
@@ -165,11 +183,21 @@ def main():
                 for seg in pipe_loop(n)]
     if not check(one_buffer(4), 4, "one_buffer"):
         errors.append("the checker accepted two chunks in one score buffer at once")
+    # ... and FA_KBUF1's K(ci + 1) issued before the barrier that ends QK(ci).
+    def kbuf1_early(n):
+        segs = kbuf1_loop(n)
+        for i in range(1, len(segs)):
+            seg = segs[i]
+            if seg and seg[0][0] == "issue" and seg[0][1] == "K0":
+                segs[i - 1].append(seg.pop(0))
+        return segs
+    if not check(kbuf1_early(3), 3, "kbuf1_early"):
+        errors.append("the checker accepted a K copy into the buffer QK is still reading")
     for e in errors:
         print(e)
     if errors:
         sys.exit(1)
-    print("attention buffer protocol: default and FA_PIPE loops race-free for 1..11 chunks")
+    print("attention buffer protocol: default, FA_PIPE and FA_KBUF1 loops race-free for 1..11 chunks")
 
 
 if __name__ == "__main__":

@@ -131,8 +131,10 @@ struct FastCfg {
 fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
     let khb = head_dim / 32 * 34;
     let vhb = head_dim / 32 * 18;
-    // K double buffered, V single buffered, query fragments, scores of the 8·nt rows, m/l/alpha.
-    2 * ATT_FAST_CHUNK * khb
+    // K double buffered (FA_KBUF1, one n-tile: single), V single buffered, query fragments, scores
+    // of the 8·nt rows, m/l/alpha.
+    let k_buffers = if nt == 1 && single_k_buffer() { 1 } else { 2 };
+    k_buffers * ATT_FAST_CHUNK * khb
         + ATT_FAST_CHUNK * vhb
         + head_dim / 16 * nt * 32 * 16
         + 8 * nt * ATT_FAST_SROW * 4
@@ -148,6 +150,13 @@ fn fast_smem_bytes(head_dim: usize, nt: usize) -> usize {
 fn pipelined_softmax() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::compile::define_on("FA_PIPE", false))
+}
+
+/// Whether the fast kernel is built with `FA_KBUF1=1` (an A/B define, off by default: the
+/// one-n-tile instances keep one K buffer and fit five blocks per SM).
+fn single_k_buffer() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| crate::compile::define_on("FA_KBUF1", false))
 }
 
 /// The fast kernel's configuration if it applies to `shape` over pages of geometry `g` with

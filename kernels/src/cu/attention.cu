@@ -316,6 +316,25 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 #define FA_PIPE_ON 0
 #endif
 
+// FA_KBUF1 (NVRTC define, default 0, A/B for an H200): the width-1 instances (one query n-tile)
+// keep ONE K buffer instead of two (17 KiB less shared memory at head_dim 256) and are built for 5
+// blocks per SM instead of 3 (94 registers at head_dim 256, no spills), so five blocks fit an SM
+// instead of four: more warps to hide the copies' and the MMAs' latencies. K(ci + 1) is copied once
+// QK(ci) has released the buffer (during the softmax and PV of chunk ci), V(ci + 1) once PV(ci) has
+// released V. The launcher sizes the block's shared memory and the splits (one full wave) from
+// the same define. Every phase computes what the default loop computes: the same bits.
+#ifndef FA_KBUF1
+#define FA_KBUF1 0
+#endif
+#if FA_KBUF1 && FA_PIPE
+#error "FA_KBUF1 and FA_PIPE exclude each other (FA_PIPE runs K two chunks ahead in two buffers)"
+#endif
+#if FA_KBUF1
+#define FA_N1_MIN_BLOCKS 5
+#else
+#define FA_N1_MIN_BLOCKS 3
+#endif
+
 // A CUtensorMap (opaque, 128 bytes, 64-byte aligned), passed by value as a __grid_constant__.
 struct __align__(64) FaTmap {
     u64 opaque[16];
@@ -453,8 +472,12 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     }
     const int nchunks = (chi - cfirst + n_splits - 1) / n_splits;
 
-    u8* kbuf = sm;                                        // [2][64][KHB]
-    u8* vbuf = kbuf + 2 * FA_CHUNK * KHB;                 // [64][VHB]
+    // FA_KBUF1: one K buffer for the one-n-tile instances (see the define).
+    constexpr bool kb1 = FA_KBUF1 && NT == 1;
+    // The K buffer chunk ci lands in.
+    auto kslot = [&](int ci) { return kb1 ? 0 : (ci & 1); };
+    u8* kbuf = sm;                                        // [2 (FA_KBUF1, NT = 1: 1)][64][KHB]
+    u8* vbuf = kbuf + (kb1 ? 1 : 2) * FA_CHUNK * KHB;     // [64][VHB]
     uint4* qf = (uint4*)(vbuf + FA_CHUNK * VHB);          // [KS][NT][32]
     float* sS = (float*)(qf + KS * NT * 32);              // [8·NT][FA_SROW] (rows < 8·NT only)
     float* sM = sS + 8 * NT * FA_SROW;                    // [32]
@@ -478,10 +501,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     auto slot_of = [&](int ci) {
         return (u64)(((cfirst + ci * n_splits) * FA_CHUNK - span_first) & (geo.tpp - 1));
     };
-    auto issue_k = [&](int ci) {  // into K buffer ci & 1
+    auto issue_k = [&](int ci) {  // into K buffer kslot(ci)
         int cnt;
         const u8* pg = where(ci, cnt);
-        fa_issue_plane<KHB>(kbuf + (ci & 1) * FA_CHUNK * KHB, pg + slot_of(ci) * geo.k_row_bytes + (u64)kvh * KHB,
+        fa_issue_plane<KHB>(kbuf + kslot(ci) * FA_CHUNK * KHB, pg + slot_of(ci) * geo.k_row_bytes + (u64)kvh * KHB,
                             cnt, geo.k_row_bytes, vec);
     };
     auto issue_v = [&](int ci) {  // into the V buffer
@@ -495,12 +518,12 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     // issued copy is waited for before the block ends.
     const bool tma = tma_maps != 0 && vec == 16;
     const u32 bar0 = fa_smem_addr(bars);
-    auto kbar = [&](int ci) { return bar0 + (u32)(ci & 1) * 8u; };
+    auto kbar = [&](int ci) { return bar0 + (u32)kslot(ci) * 8u; };
     const u32 vbar = bar0 + 16u;
     // Box coordinates of chunk ci: (head's first word, slot in the page, page of the span).
     auto tma_k = [&](int ci) {
         const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
-        fa_tma3(fa_smem_addr(kbuf + (ci & 1) * FA_CHUNK * KHB), tmk, kvh * (KHB / 4), rel & (geo.tpp - 1),
+        fa_tma3(fa_smem_addr(kbuf + kslot(ci) * FA_CHUNK * KHB), tmk, kvh * (KHB / 4), rel & (geo.tpp - 1),
                 rel >> tpp_log2, kbar(ci), FA_CHUNK * KHB);
     };
     auto tma_v = [&](int ci) {
@@ -629,7 +652,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     // The three phases of a chunk, as the loops below run them (sSb: the chunk's score rows).
     auto qk_phase = [&](int ci, float* sSb) {
         const int c0 = (cfirst + ci * n_splits) * FA_CHUNK;
-        const u8* kb = kbuf + (ci & 1) * FA_CHUNK * KHB;
+        const u8* kb = kbuf + kslot(ci) * FA_CHUNK * KHB;
         // ---- phase 1: S[row][token] for tokens 16w + g and 16w + g + 8.
         {
             float sacc[NT][4];
@@ -821,6 +844,57 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             }
         }
     };
+    if (kb1) {
+        // FA_KBUF1: one K buffer (see the define). Three block barriers per chunk on the
+        // tensor-copy path (after QK, before PV, after PV), a fourth on the cp.async path.
+        __syncthreads();  // the query fragments and row state are visible
+        for (int ci = 0; ci < nchunks; ci++) {
+            const int cnt = min(FA_CHUNK, end - (cfirst + ci * n_splits) * FA_CHUNK);
+#if FA_TMA_ON
+            if (tma) {
+                fa_bar_wait(kbar(ci), (u32)ci & 1u);  // K(ci): phase ci of the one K barrier
+            } else
+#endif
+            {
+                fa_wait_all();    // K(ci) and V(ci): every copy issued so far
+                __syncthreads();  // visible to all
+            }
+            qk_phase(ci, sS);
+            __syncthreads();  // QK(ci) done: the K buffer is free; S(ci) visible
+            if (ci + 1 < nchunks) {
+#if FA_TMA_ON
+                if (tma) {
+                    if (tid == 0) tma_k(ci + 1);
+                } else
+#endif
+                {
+                    issue_k(ci + 1);
+                    fa_commit();
+                }
+            }
+            softmax_phase(sS);
+#if FA_TMA_ON
+            if (tma) {
+                fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
+                zero_v_rows_from(cnt);            // rows past a partial chunk: finite (zero) scales
+            }
+#endif
+            __syncthreads();  // P(ci), alpha and V(ci) visible
+            pv_phase(sS);
+            __syncthreads();  // PV(ci) done: the V buffer and the scores are free
+            if (ci + 1 < nchunks) {
+#if FA_TMA_ON
+                if (tma) {
+                    if (tid == 0) tma_v(ci + 1);
+                } else
+#endif
+                {
+                    issue_v(ci + 1);
+                    fa_commit();
+                }
+            }
+        }
+    } else
 #if FA_PIPE_ON
     if (tma) {
         // FA_PIPE: warp 0's softmax of chunk ci overlaps the other warps' QK of chunk ci + 1 (the
@@ -935,15 +1009,15 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         fa_body<N, DD>(q, pool, state, geo, span_offset, span_first, span_count, n_splits, vec, qt, &tmk, &tmv, \
                        tma_maps, fa_smem);                                                                \
     }
-extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d64(FA_PARAMS) FA_CALL(1, 64)
+extern "C" __launch_bounds__(FA_THREADS, FA_N1_MIN_BLOCKS) __global__ void attn_q8q4_n1_d64(FA_PARAMS) FA_CALL(1, 64)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d64(FA_PARAMS) FA_CALL(2, 64)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d64(FA_PARAMS) FA_CALL(3, 64)
 extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d64(FA_PARAMS) FA_CALL(4, 64)
-extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d128(FA_PARAMS) FA_CALL(1, 128)
+extern "C" __launch_bounds__(FA_THREADS, FA_N1_MIN_BLOCKS) __global__ void attn_q8q4_n1_d128(FA_PARAMS) FA_CALL(1, 128)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d128(FA_PARAMS) FA_CALL(2, 128)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d128(FA_PARAMS) FA_CALL(3, 128)
 extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d128(FA_PARAMS) FA_CALL(4, 128)
-extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n1_d256(FA_PARAMS) FA_CALL(1, 256)
+extern "C" __launch_bounds__(FA_THREADS, FA_N1_MIN_BLOCKS) __global__ void attn_q8q4_n1_d256(FA_PARAMS) FA_CALL(1, 256)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n2_d256(FA_PARAMS) FA_CALL(2, 256)
 extern "C" __launch_bounds__(FA_THREADS, 3) __global__ void attn_q8q4_n3_d256(FA_PARAMS) FA_CALL(3, 256)
 extern "C" __launch_bounds__(FA_THREADS, 2) __global__ void attn_q8q4_n4_d256(FA_PARAMS) FA_CALL(4, 256)
