@@ -847,6 +847,27 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     if (kb1) {
         // FA_KBUF1: one K buffer (see the define). Three block barriers per chunk on the
         // tensor-copy path (after QK, before PV, after PV), a fourth on the cp.async path.
+        // Chunk ci's K (is_k) or V copy: thread 0's tensor copy, or every thread's cp.async group.
+        auto issue_next = [&](bool is_k, int ci) {
+#if FA_TMA_ON
+            if (tma) {
+                if (tid == 0) {
+                    if (is_k) {
+                        tma_k(ci);
+                    } else {
+                        tma_v(ci);
+                    }
+                }
+                return;
+            }
+#endif
+            if (is_k) {
+                issue_k(ci);
+            } else {
+                issue_v(ci);
+            }
+            fa_commit();
+        };
         __syncthreads();  // the query fragments and row state are visible
         for (int ci = 0; ci < nchunks; ci++) {
             const int cnt = min(FA_CHUNK, end - (cfirst + ci * n_splits) * FA_CHUNK);
@@ -861,17 +882,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             }
             qk_phase(ci, sS);
             __syncthreads();  // QK(ci) done: the K buffer is free; S(ci) visible
-            if (ci + 1 < nchunks) {
-#if FA_TMA_ON
-                if (tma) {
-                    if (tid == 0) tma_k(ci + 1);
-                } else
-#endif
-                {
-                    issue_k(ci + 1);
-                    fa_commit();
-                }
-            }
+            if (ci + 1 < nchunks) issue_next(true, ci + 1);
             softmax_phase(sS);
 #if FA_TMA_ON
             if (tma) {
@@ -882,17 +893,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             __syncthreads();  // P(ci), alpha and V(ci) visible
             pv_phase(sS);
             __syncthreads();  // PV(ci) done: the V buffer and the scores are free
-            if (ci + 1 < nchunks) {
-#if FA_TMA_ON
-                if (tma) {
-                    if (tid == 0) tma_v(ci + 1);
-                } else
-#endif
-                {
-                    issue_v(ci + 1);
-                    fa_commit();
-                }
-            }
+            if (ci + 1 < nchunks) issue_next(false, ci + 1);
         }
     } else
 #if FA_PIPE_ON
