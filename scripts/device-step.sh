@@ -9,3 +9,17 @@ step() {
   local rc=$?
   echo "$name rc=$rc ${SECONDS}s total ($((SECONDS - t0))s)" | tee -a "$S"
 }
+# ab_variants FN: runs FN "" "" (the default build), then FN -abN DEFINES for each ';'-separated
+# entry of AB_DEFINES (each a KVSTREAM_NVRTC_DEFINES value, e.g. "FA_PIPE=1;FA_KBUF1=1"), naming
+# each variant in $S first.
+ab_variants() {
+  local fn=$1 ab=0 v
+  "$fn" "" ""
+  IFS=';' read -r -a variants <<<"${AB_DEFINES:-}"
+  for v in "${variants[@]}"; do
+    [ -n "$v" ] || continue
+    ab=$((ab + 1))
+    echo "variant -ab$ab: $v" | tee -a "$S"
+    "$fn" "-ab$ab" "$v"
+  done
+}

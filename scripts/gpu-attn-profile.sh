@@ -36,18 +36,10 @@ variant() {
   # Into the summary too: a device call returns at most 8 files, so every number is in summary.txt.
   grep -h "in a graph\|hbm_read" "$OUT/bench$tag.log" | sed "s/^/  bench$tag: /" | tee -a "$S"
 }
-variant "" ""
 # AB_DEFINES: one or more variants separated by ';' (each a KVSTREAM_NVRTC_DEFINES value, e.g.
-# "FA_K_BURST=1;FA_COPY_WALK=1"). BASE_BENCH: optionally a second cuda_bench binary (another
-# commit's build) timed alongside.
-ab=0
-IFS=';' read -r -a variants <<<"${AB_DEFINES:-}"
-for v in "${variants[@]}"; do
-  [ -n "$v" ] || continue
-  ab=$((ab + 1))
-  echo "variant -ab$ab: $v" | tee -a "$S"
-  variant "-ab$ab" "$v"
-done
+# "FA_K_BURST=1;FA_COPY_WALK=1"; ab_variants, scripts/device-step.sh). BASE_BENCH: optionally a
+# second cuda_bench binary (another commit's build) timed alongside.
+ab_variants variant
 if [ -n "${BASE_BENCH:-}" ]; then
   mkdir -p "$OUT/bench-base"
   chmod +x "$BASE_BENCH"

@@ -17,7 +17,6 @@ variant() {
   local tag=$1 defs=$2
   local envs=(env -u KVSTREAM_NVRTC_DEFINES)
   [ -n "$defs" ] && envs=(env KVSTREAM_NVRTC_DEFINES="$defs")
-  echo "variant $tag: ${defs:-default}" | tee -a "$S"
   for t in ${TESTS:-test-ops_vs_cpu test-fused_prep test-conformance}; do
     step "$t$tag" "${T_TEST:-150}" "${envs[@]}" "$D/$t" --include-ignored --test-threads=1
     grep -hE "^test .*FAILED|panicked|test result" "$OUT/$t$tag.log" | head -6 | tee -a "$S"
@@ -33,12 +32,5 @@ variant() {
   grep -vE "^\s*$" "$OUT/decode$tag/bench.csv" 2>/dev/null | head -8 | sed "s/^/  decode$tag: /" | tee -a "$S"
 }
 
-variant "" ""
-ab=0
-IFS=';' read -r -a variants <<<"${AB_DEFINES:-}"
-for v in "${variants[@]}"; do
-  [ -n "$v" ] || continue
-  ab=$((ab + 1))
-  variant "-ab$ab" "$v"
-done
+ab_variants variant
 cat "$S"
