@@ -3,7 +3,8 @@
 # from the repo root. Build here first (as for scripts/gpu-session.sh), then there:
 #   OUT=$OUT AB_DEFINES='NAME=VAL,...;NAME=VAL' [TESTS='test-ops_vs_cpu ...'] \
 #     [CONTEXTS=8Ki,32Ki] [DRAFTS=0,3] bash scripts/gpu-q4-ab.sh
-# For the default build and each AB_DEFINES variant (a KVSTREAM_NVRTC_DEFINES value): TESTS (GPU
+# For the default build and each AB_DEFINES variant (a KVSTREAM_NVRTC_DEFINES value, or
+# `env:NAME=VAL ...` for launcher switches such as `env:KVSTREAM_Q4_TILES=1`): TESTS (GPU
 # tests included; default: the op suite, the fused x prep and the conformance suite), cuda_bench's
 # q4_g128 GEMV rows (graph-timed, weights cycled through >= 512 MiB of copies, GEMM and attention
 # skipped; the "pair" rows time the SwiGLU producer and the GEMV together, as decode runs them),
@@ -16,7 +17,11 @@ OUT=${OUT:-/tmp/kvstream-q4ab}
 variant() {
   local tag=$1 defs=$2
   local envs=(env -u KVSTREAM_NVRTC_DEFINES)
-  [ -n "$defs" ] && envs=(env KVSTREAM_NVRTC_DEFINES="$defs")
+  # "env:NAME=VAL NAME=VAL": a variant of launcher switches (environment) on the default kernels.
+  case "$defs" in
+  env:*) read -r -a kv <<<"${defs#env:}" && envs=(env -u KVSTREAM_NVRTC_DEFINES "${kv[@]}") ;;
+  ?*) envs=(env KVSTREAM_NVRTC_DEFINES="$defs") ;;
+  esac
   for t in ${TESTS:-test-ops_vs_cpu test-fused_prep test-conformance}; do
     step "$t$tag" "${T_TEST:-150}" "${envs[@]}" "$D/$t" --include-ignored --test-threads=1
     grep -hE "^test .*FAILED|panicked|test result" "$OUT/$t$tag.log" | head -6 | tee -a "$S"

@@ -12,6 +12,7 @@ pub(crate) mod prepared;
 pub(crate) mod q4mma;
 pub(crate) mod q4mmap;
 pub(crate) mod q4nl;
+pub(crate) mod q4tiles;
 pub(crate) mod sk_plan;
 pub(crate) mod streamk;
 

@@ -901,3 +901,272 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4(Q4M
 extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(Q4MMAP_ARGS) {
     q4i8c_body<true, 4, 4, true>(Q4MMAP_PASS);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Tile-owning variant (`gemv_q4i8t*`, q4_nl_g128 `gemv_q4nli8t*`): the column-packed arithmetic of
+// `gemv_q4i8c*` per item, but a different way to the weights and a different split.
+//
+// Why: on the mid-size 27B shapes (5120×6144 … 16384×5120: 16–42 MB, 4–10 µs at HBM speed) the
+// stream-K register-ring kernel pays ~4 µs per call that is not bandwidth (session 21's fit): its
+// warps hold 4 items (4 KiB) each, cannot start before the previous kernel's blocks leave (128
+// registers × 512 threads fill the register file), and ~7 warps share each tile (a global fix-up).
+// Here one thread per block streams whole 16-row tiles into a ring of shared-memory stages with
+// bulk copies (cp.async.bulk, Hopper's TMA unit): a tile's codes are 16 · K/2 contiguous bytes and
+// its scales 16 · K/128 · 2, two copies per tile (a first version copied 16-row × 8-group chunks,
+// 32 copies of 16–512 bytes each, and ran at half the stream-K kernel's speed on an H100: the
+// copy unit's rate per operation, not the bytes, was the limit). A block owns whole tiles, so no
+// tile is shared between blocks (no scratch, counters or fences), and up to ~200 KiB of weights
+// per SM are requested before x exists.
+//
+// Block: 2 consumer groups of QT_GW = 8 warps + 1 producer warp, one block per SM (the launcher
+// needs 2 stages: K ≤ 6144 at T ≤ 2). Block b owns tiles [b·tiles/B, (b+1)·tiles/B); tile tl of the
+// block (stage tl, ring slot tl % S) goes to group tl % 2, whose warp wi takes groups wi, wi + 8, …
+// of the tile (the item of `gemv_q4i8c*`: rows g, g + 8, 16 code bytes each per lane; K % 1024 == 0)
+// and accumulates them ascending. At the end of a tile the group's 8 pair sums meet in shared
+// memory (double-buffered per group, one named barrier per tile and group) and warp
+// (tile / 2) % 8 adds them in warp order and stores. So an output is a function of N and K only
+// (not of T, the grid or whether x is staged): row t of a T-row call equals a 1-row call bit for
+// bit. (Rows of a stage are dense at K/2 bytes: the code loads of rows g and g + 1 share banks,
+// two wavefronts per quarter warp.)
+//
+// Barriers: full[s] (1 arrival, the producer's expect_tx; the copies complete the bytes), empty[s]
+// (QT_GW arrivals, one per warp of the consuming group once its lanes have read the tile). Round r
+// of slot s waits full[s] phase r (parity r & 1); the producer refills slot s for round r only
+// after empty[s] phase r - 1.
+#define QT_GW 8
+#define QT_THREADS ((2 * QT_GW + 1) * 32)
+
+__device__ __forceinline__ u32 qt_smem(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void qt_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// Named barriers among consumer warps only (the producer never joins): 1 + group for one group's
+// 8 warps, 3 for both groups.
+__device__ __forceinline__ void qt_group_sync(int grp) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(QT_GW * 32) : "memory");
+}
+__device__ __forceinline__ void qt_consumers_sync() {
+    asm volatile("bar.sync 3, %0;\n" ::"n"(2 * QT_GW * 32) : "memory");
+}
+
+// Shared memory: full[S], empty[S] (u64), the tile sums [2 groups][2][QT_GW][NP·64] floats, x (XS:
+// T rows of `tstride` uint4), then the ring at `ring_off`: S stages of `stage_bytes` (a tile's
+// codes [16][K/2], then its scales [16][K/128] u16; 128-aligned). The launcher computes the same
+// layout (backend-cuda/src/ops/linear/q4tiles.rs).
+template <bool XS, int NP, bool NL>
+__device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
+                                           float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S,
+                                           u32 ring_off, u32 stage_bytes) {
+    extern __shared__ __align__(128) u8 qt_sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 NG = (u32)(K / 128);
+    const u32 RB = (u32)(K / 2);  // code bytes per row
+    const u32 tiles = (u32)((N + 15) / 16);
+    const u32 t0 = (u32)((u64)blockIdx.x * tiles / gridDim.x);
+    const u32 t1 = (u32)((u64)(blockIdx.x + 1) * tiles / gridDim.x);
+    const u32 per = NG * QC_U4;
+    const u32 tstride = XS ? per + 1u : per;
+    const u32 bars = qt_smem(qt_sm);  // full[i] at bars + 8i, empty[i] at bars + 8(S + i)
+    float* red = (float*)(qt_sm + 16 * S);
+    uint4* xs = (uint4*)(red + 2 * 2 * QT_GW * NP * 64);
+    u8* ring = qt_sm + ring_off;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S; i++) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8u * i) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bars + 8u * (S + i)), "n"(QT_GW)
+                         : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 2 * QT_GW) {
+        // The producer (one thread): weights only, independent of the previous kernel, so no grid
+        // wait. Tile tl of the block: its codes and its scales, two copies.
+        if (lane != 0) return;
+        for (u32 tl = 0; t0 + tl < t1; tl++) {
+            const u32 slot = tl % (u32)S, round = tl / (u32)S;
+            if (round > 0) qt_wait(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
+            const u64 row0 = (u64)(t0 + tl) * 16;
+            const u32 rows = (u32)min((u64)16, N - row0);
+            const u32 full = bars + 8u * slot;
+            const u32 st = qt_smem(ring + (u64)slot * stage_bytes);
+            const u32 cb = rows * RB, sb = rows * NG * 2;
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full), "r"(cb + sb)
+                         : "memory");
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(st),
+                "l"(w + row0 * RB), "r"(cb), "r"(full)
+                : "memory");
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                    st + 16u * RB),
+                "l"(w + soff + row0 * ((u64)NG * 2)), "r"(sb), "r"(full)
+                : "memory");
+        }
+        return;
+    }
+
+    grid_dependency_wait();  // x from here on
+    if (XS) {
+        for (int t = 0; t < T; t++) {
+            for (u32 i = threadIdx.x; i < per; i += 2 * QT_GW * 32) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(qt_smem(xs + t * tstride + i)),
+                             "l"(xf + (u64)t * per + i)
+                             : "memory");
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        qt_consumers_sync();
+    }
+    const int grp = warp / QT_GW, wi = warp % QT_GW;
+    const int g = lane >> 2, tq = lane & 3;
+    const uint2* x2 = (const uint2*)(XS ? (const uint4*)xs : xf);
+    u32 xoff[NP], moff[NP];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const int tb = 2 * p + (g >> 2), tm = 2 * p + (tq >> 1);
+        xoff[p] = qc_keep((u32)(tb < T ? tb : 0) * tstride * 2 + ((g & 3) == 3 ? 0 : (g & 3)) * 4 + tq);
+        moff[p] = qc_keep((u32)(tm < T ? tm : 0) * tstride * 2 + 48 + (tq & 1));
+    }
+    const int mul = (int)qc_keep((tq & 1) ? 1u : 256u);
+    const int mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
+    // This lane's bytes of a tile at group 0: codes of rows g and g + 8, their scales.
+    const u32 offa = (u32)g * RB + (u32)tq * 16, offb = offa + 8 * RB;
+    const u32 osa = 16 * RB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
+
+    for (u32 tl = (u32)grp; t0 + tl < t1; tl += 2) {
+        const u32 slot = tl % (u32)S;
+        qt_wait(bars + 8u * slot, (tl / (u32)S) & 1u);
+        const u8* st = ring + (u64)slot * stage_bytes;
+        float acc[NP][2];
+#pragma unroll
+        for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
+        // Two items in flight per warp (the MMA chains of one item are serial).
+#pragma unroll 2
+        for (u32 gi = (u32)wi; gi < NG; gi += QT_GW) {
+            const uint4 va4 = *(const uint4*)(st + offa + gi * 64), vb4 = *(const uint4*)(st + offb + gi * 64);
+            const float qa = f16_to_f32(*(const u16*)(st + osa + gi * 2));
+            const float qb = f16_to_f32(*(const u16*)(st + osb + gi * 2));
+            const uint2* xg = x2 + gi * (QC_U4 * 2);
+            int cc[NP][4];
+#pragma unroll
+            for (int p = 0; p < NP; p++) cc[p][0] = cc[p][1] = cc[p][2] = cc[p][3] = 0;
+#pragma unroll
+            for (int wd = 0; wd < 4; wd++) {
+                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+                u32 a0, a1, a2, a3;
+                if (NL) {
+                    a0 = q4nl_lookup4(va);
+                    a1 = q4nl_lookup4(vb);
+                    a2 = q4nl_lookup4(va >> 16);
+                    a3 = q4nl_lookup4(vb >> 16);
+                } else {
+                    a0 = va & 0x0f0f0f0fu;
+                    a1 = vb & 0x0f0f0f0fu;
+                    a2 = (va >> 4) & 0x0f0f0f0fu;
+                    a3 = (vb >> 4) & 0x0f0f0f0fu;
+                }
+#pragma unroll
+                for (int p = 0; p < NP; p++) {
+                    const uint2 b = (xg + xoff[p])[wd * 12];
+                    if (NL) {
+                        qi_mma_s8(cc[p], a0, a1, a2, a3, b.x, b.y);
+                    } else {
+                        qi_mma(cc[p], a0, a1, a2, a3, b.x, b.y);
+                    }
+                }
+            }
+#pragma unroll
+            for (int p = 0; p < NP; p++) {
+                const uint2 m = *(xg + moff[p]);
+                const float xsc = __uint_as_float(m.x);
+                const int va = cc[p][0] * mul + cc[p][1] * mul1 + (int)m.y;
+                const int vb = cc[p][2] * mul + cc[p][3] * mul1 + (int)m.y;
+                acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
+                acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
+            }
+        }
+        // This warp has read its part of the tile: release the slot once the group's 8 have.
+        __syncwarp();
+        if (lane == 0) {
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bars + 8u * ((u32)S + slot)) : "memory");
+        }
+        // The group's pair sums meet; warp (tl / 2) % 8 adds them in warp order and stores.
+        const u32 k = tl >> 1;
+        float v[NP][2];
+        qc_pair_sums<NP>(acc, v);
+        float* part = red + ((u32)(grp * 2) + (k & 1u)) * QT_GW * (NP * 64);
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) part[wi * (NP * 64) + (p * 2 + i) * 32 + lane] = v[p][i];
+        qt_group_sync(grp);
+        if ((u32)wi == k % QT_GW) {
+            float sum[NP][2];
+#pragma unroll
+            for (int p = 0; p < NP; p++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float a = part[(p * 2 + i) * 32 + lane];
+                    for (int j = 1; j < QT_GW; j++) a += part[j * (NP * 64) + (p * 2 + i) * 32 + lane];
+                    sum[p][i] = a;
+                }
+            qc_store<NP>(sum, t0 + tl, g, tq, T, N, y);
+        }
+    }
+}
+
+#define Q4I8T_ARGS \
+    const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S, u32 ring_off, u32 stage_bytes
+#define Q4I8T_PASS xf, w, y, T, K, N, soff, S, ring_off, stage_bytes
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t1(Q4I8T_ARGS) {
+    q4i8t_body<false, 1, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t1_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 1, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t2(Q4I8T_ARGS) {
+    q4i8t_body<false, 2, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t2_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 2, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t4(Q4I8T_ARGS) {
+    q4i8t_body<false, 4, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t4_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 4, false>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t1(Q4I8T_ARGS) {
+    q4i8t_body<false, 1, true>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t1_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 1, true>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t2(Q4I8T_ARGS) {
+    q4i8t_body<false, 2, true>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t2_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 2, true>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t4(Q4I8T_ARGS) {
+    q4i8t_body<false, 4, true>(Q4I8T_PASS);
+}
+extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4nli8t4_xs(Q4I8T_ARGS) {
+    q4i8t_body<true, 4, true>(Q4I8T_PASS);
+}

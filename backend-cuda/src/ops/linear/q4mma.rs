@@ -53,6 +53,10 @@ pub(crate) struct Q4GemvState {
     /// Bit i set: the i-th staged (`_xs`) persistent kernel (`super::q4mmap::STAGED_KERNELS`)
     /// may already take its largest dynamic shared memory.
     pub(crate) xs_reserved: AtomicU32,
+    /// Bit i set: the i-th tile-owning build (`super::q4tiles`) may take its shared memory.
+    pub(crate) tiles_reserved: AtomicU32,
+    /// Which shapes run the tile-owning kernel (`super::q4tiles::Q4Tiles::code`).
+    pub(crate) tiles: std::sync::atomic::AtomicU64,
 }
 
 impl Q4GemvState {
@@ -60,6 +64,8 @@ impl Q4GemvState {
         Self {
             path: AtomicU8::new(code(selects(std::env::var(Q4_GEMV_ENV).ok().as_deref()))),
             xs_reserved: AtomicU32::new(0),
+            tiles_reserved: AtomicU32::new(0),
+            tiles: std::sync::atomic::AtomicU64::new(super::q4tiles::Q4Tiles::from_env().code()),
         }
     }
 }

@@ -300,7 +300,6 @@ impl CudaBackend {
         k: usize,
     ) -> Result<(), OpError> {
         let _span = tracing::trace_span!("gemv_q4_mmap", t, n, k, blocks = plan.blocks).entered();
-        let (scratch, counters) = self.mmap_buffers(plan, kind)?;
         // The producer of x may have written its x-prep bytes (`super::prepared`): then no
         // x-prep launch. `_made` lives until the GEMV is enqueued.
         let (xfp, _made) = match Self::prepared_for(x, kind, t, k) {
@@ -310,6 +309,11 @@ impl CudaBackend {
                 (m.ptr(), Some(m))
             }
         };
+        // The tile-owning kernel, where selected for this shape (`super::q4tiles`).
+        if let Some(tp) = self.q4_tiles_plan(kind, n, k, t, w_ptr, soff) {
+            return self.gemv_q4_tiles(tp, kind, xfp, w_ptr, soff, y, t, n, k);
+        }
+        let (scratch, counters) = self.mmap_buffers(plan, kind)?;
         let per_sm = blocks_per_sm_of(kind);
         let staged = staged_x_bytes(kind, t, k, self.max_smem_optin, per_sm).filter(|_| stage_x());
         let name = kernel_name(kind, t, per_sm, staged.is_some());
@@ -374,7 +378,7 @@ pub const Q4_PDL_ENV: &str = "KVSTREAM_Q4_PDL";
 
 /// Whether the GEMV launches as a programmatic dependent of its x-prep kernel: its blocks start
 /// while x-prep runs and stream their first weights before `griddepcontrol.wait` (gemv_mma.cu).
-fn dependent_launch() -> bool {
+pub(crate) fn dependent_launch() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var(Q4_PDL_ENV).map_or(true, |v| v != "0"))
 }

@@ -1,0 +1,449 @@
+//! The tile-owning q4 decode GEMV (`gemv_q4i8t*` / `gemv_q4nli8t*` in
+//! `kernels/src/cu/gemv_mma.cu`): the column-packed integer arithmetic of the stream-K kernels
+//! (`gemv_q4i8c*`, the same prepared x), but a producer warp per block streams the weights into a
+//! shared-memory ring with bulk copies, and a block owns whole 16-row tiles (no fix-up).
+//!
+//! Taken, when [`Q4_TILES_ENV`] selects it, for every q4 GEMV of a suitable shape (K a multiple
+//! of 1,024, 16-byte aligned codes and scales): the choice depends on the shape only, never on T,
+//! so a row of an MTP verification call equals the single step bit for bit (the kernel's sums are
+//! a function of N and K only).
+
+use super::q4mmap::MmapKind;
+use crate::launch::{allow_dynamic_smem, args};
+use crate::{CudaBackend, CudaTensor};
+use cudarc::driver::LaunchConfig;
+use kvstream_memory_contracts::error::OpError;
+use std::sync::atomic::Ordering;
+
+/// Environment switch: `1` runs the tile-owning kernel for every suitable q4 GEMV shape, a number
+/// of MiB (e.g. `64`) for suitable weights of at most that many code bytes, `0` or unset never.
+pub const Q4_TILES_ENV: &str = "KVSTREAM_Q4_TILES";
+
+/// Consumer warps (two groups of 8, `QT_GW`) plus the producer warp.
+const THREADS: usize = (2 * 8 + 1) * 32;
+/// Resident blocks per SM (`__launch_bounds__(QT_THREADS, 1)`).
+const BLOCKS_PER_SM: usize = 1;
+/// Shared memory of one SM on Hopper, and the driver's per-block reservation.
+const SM_SHARED_BYTES: usize = 228 * 1024;
+const RESERVED_PER_BLOCK: usize = 1024;
+/// Fewest ring stages (whole tiles) worth a launch: one in flight while one is read.
+const MIN_STAGES: usize = 2;
+
+/// Bytes of one ring stage: a 16-row tile's codes (`16 · K/2`) and scales (`16 · K/128 · 2`),
+/// rounded up to 128.
+fn stage_bytes(k: usize) -> usize {
+    (16 * (k / 2 + k / 128 * 2)).next_multiple_of(128)
+}
+
+/// Which q4 GEMV shapes take the tile-owning kernel (`KVSTREAM_Q4_TILES`, or
+/// `CudaBackend::set_q4_tiles`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Q4Tiles {
+    /// Never (the stream-K kernels).
+    Off,
+    /// Every suitable shape.
+    On,
+    /// Suitable weights of at most this many code bytes.
+    UpTo(usize),
+}
+
+impl Q4Tiles {
+    /// The selection an environment value names: `1` on, a number of MiB, `0` / unset / other off.
+    pub fn parse(v: Option<&str>) -> Self {
+        match v.map(str::trim) {
+            None | Some("") | Some("0") => Q4Tiles::Off,
+            Some("1") => Q4Tiles::On,
+            Some(s) => s
+                .parse::<usize>()
+                .map_or(Q4Tiles::Off, |mib| Q4Tiles::UpTo(mib << 20)),
+        }
+    }
+
+    fn takes(self, n: usize, k: usize) -> bool {
+        match self {
+            Q4Tiles::Off => false,
+            Q4Tiles::On => true,
+            Q4Tiles::UpTo(bytes) => n * (k / 2) <= bytes,
+        }
+    }
+
+    /// As one word (`Q4GemvState::tiles`): 0 off, `u64::MAX` on, else the byte bound.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Q4Tiles::Off => 0,
+            Q4Tiles::On => u64::MAX,
+            Q4Tiles::UpTo(b) => (b as u64).clamp(1, u64::MAX - 1),
+        }
+    }
+
+    pub(crate) fn from_code(c: u64) -> Self {
+        match c {
+            0 => Q4Tiles::Off,
+            u64::MAX => Q4Tiles::On,
+            b => Q4Tiles::UpTo(usize::try_from(b).unwrap_or(usize::MAX)),
+        }
+    }
+
+    /// The selection of [`Q4_TILES_ENV`].
+    pub(crate) fn from_env() -> Self {
+        Self::parse(std::env::var(Q4_TILES_ENV).ok().as_deref())
+    }
+}
+
+/// One launch: grid, ring depth, where the ring starts, whether x is staged, shared bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TilesPlan {
+    pub(crate) blocks: u32,
+    pub(crate) stages: u32,
+    pub(crate) ring_off: u32,
+    pub(crate) stage_bytes: u32,
+    pub(crate) staged_x: bool,
+    pub(crate) smem: u32,
+}
+
+/// Token pairs of the build for `t` tokens (1, 2 or 4).
+fn pairs(t: usize) -> usize {
+    match t {
+        0..=2 => 1,
+        3..=4 => 2,
+        _ => 4,
+    }
+}
+
+/// Shared memory one block may take with [`BLOCKS_PER_SM`] resident.
+fn block_budget(max_smem_optin: usize) -> usize {
+    (SM_SHARED_BYTES / BLOCKS_PER_SM - RESERVED_PER_BLOCK).min(max_smem_optin)
+}
+
+/// The layout of gemv_mma.cu's `q4i8t_body`: barriers (16 bytes per stage), tile sums
+/// (8,192 bytes per token pair), x when staged (`t` rows of `NG · 25 + 1` uint4), the ring of
+/// `stage` bytes per stage at the next 128-byte boundary. `None` when fewer than [`MIN_STAGES`]
+/// fit.
+fn layout(
+    stages_wanted: usize,
+    stage: usize,
+    np: usize,
+    x_bytes: usize,
+    budget: usize,
+) -> Option<(usize, usize)> {
+    let ring_off_for = |s: usize| (16 * s + 8192 * np + x_bytes).next_multiple_of(128);
+    let mut s = stages_wanted.max(MIN_STAGES);
+    while s >= MIN_STAGES {
+        let off = ring_off_for(s);
+        if off + s * stage <= budget {
+            return Some((s, off));
+        }
+        s -= 1;
+    }
+    None
+}
+
+/// The plan for `t` tokens of `[n, k]` q4 codes at `w_ptr` (scales at byte `soff`) on `sms`
+/// multiprocessors, or `None` when the shape does not suit the kernel (K not a multiple of
+/// 1,024, unaligned codes or scales, T outside 1..=8, no room for two whole tiles: K ≤ 6144 at
+/// T ≤ 2 on Hopper).
+pub(crate) fn tiles_plan(
+    n: usize,
+    k: usize,
+    t: usize,
+    w_ptr: u64,
+    soff: u64,
+    sms: usize,
+    max_smem_optin: usize,
+) -> Option<TilesPlan> {
+    if n == 0 || k == 0 || k % 1024 != 0 || w_ptr % 16 != 0 || soff % 16 != 0 {
+        return None;
+    }
+    if !(1..=8).contains(&t) {
+        return None;
+    }
+    let tiles = n.div_ceil(16);
+    let blocks = (sms.max(1) * BLOCKS_PER_SM).min(tiles);
+    // The most tiles any block streams: more ring than that buys nothing.
+    let stages_wanted = tiles.div_ceil(blocks);
+    let np = pairs(t);
+    let budget = block_budget(max_smem_optin);
+    let stage = stage_bytes(k);
+    // Whether the shape runs here must not depend on T (a verification row must equal the single
+    // step bit for bit): two stages must fit beside the largest build's sums, x read through L1.
+    layout(MIN_STAGES, stage, pairs(8), 0, budget)?;
+    // x staged when it leaves room for two stages (else read through L1).
+    let x_bytes = t * ((k / 128) * super::q4mma::I8C_XPREP_BYTES_PER_GROUP + 16);
+    let staged = layout(MIN_STAGES, stage, np, x_bytes, budget).is_some();
+    let (stages, ring_off) = layout(
+        stages_wanted,
+        stage,
+        np,
+        if staged { x_bytes } else { 0 },
+        budget,
+    )?;
+    Some(TilesPlan {
+        blocks: u32::try_from(blocks).ok()?,
+        stages: u32::try_from(stages).ok()?,
+        ring_off: u32::try_from(ring_off).ok()?,
+        stage_bytes: u32::try_from(stage).ok()?,
+        staged_x: staged,
+        smem: u32::try_from(ring_off + stages * stage).ok()?,
+    })
+}
+
+/// The build for `kind`, `t` tokens, x staged or not; `None` for kinds without one.
+fn kernel_name(kind: MmapKind, t: usize, staged: bool) -> Option<&'static str> {
+    const Q4: [&str; 6] = [
+        "gemv_q4i8t1",
+        "gemv_q4i8t1_xs",
+        "gemv_q4i8t2",
+        "gemv_q4i8t2_xs",
+        "gemv_q4i8t4",
+        "gemv_q4i8t4_xs",
+    ];
+    const NL: [&str; 6] = [
+        "gemv_q4nli8t1",
+        "gemv_q4nli8t1_xs",
+        "gemv_q4nli8t2",
+        "gemv_q4nli8t2_xs",
+        "gemv_q4nli8t4",
+        "gemv_q4nli8t4_xs",
+    ];
+    let i = match pairs(t) {
+        1 => 0,
+        2 => 2,
+        _ => 4,
+    } + usize::from(staged);
+    match kind {
+        MmapKind::Int8Cols => Some(Q4[i]),
+        MmapKind::Int8ColsNl => Some(NL[i]),
+        _ => None,
+    }
+}
+
+/// Bit of `name` in `Q4GemvState::tiles_reserved` (its shared memory opt-in done).
+fn reservation_bit(name: &str) -> u32 {
+    let builds = ["1", "1_xs", "2", "2_xs", "4", "4_xs"];
+    let (base, rest) = match name.strip_prefix("gemv_q4nli8t") {
+        Some(r) => (6, r),
+        None => (0, name.strip_prefix("gemv_q4i8t").unwrap_or("")),
+    };
+    builds
+        .iter()
+        .position(|&b| b == rest)
+        .map_or(0, |i| 1u32 << (base + i))
+}
+
+impl CudaBackend {
+    /// Which q4 GEMV shapes run the tile-owning kernel now.
+    pub fn q4_tiles(&self) -> Q4Tiles {
+        Q4Tiles::from_code(self.q4_gemv.tiles.load(Ordering::Relaxed))
+    }
+
+    /// Chooses the q4 GEMV shapes of the tile-owning kernel (overrides `KVSTREAM_Q4_TILES`).
+    /// Choose before decoding a session, as [`CudaBackend::set_q4_gemv`].
+    pub fn set_q4_tiles(&self, sel: Q4Tiles) {
+        self.q4_gemv.tiles.store(sel.code(), Ordering::Relaxed);
+    }
+
+    /// The tile-owning plan for this GEMV when [`Q4_TILES_ENV`] selects its shape and `kind` has
+    /// a build.
+    pub(crate) fn q4_tiles_plan(
+        &self,
+        kind: MmapKind,
+        n: usize,
+        k: usize,
+        t: usize,
+        w_ptr: u64,
+        soff: u64,
+    ) -> Option<TilesPlan> {
+        if !self.q4_tiles().takes(n, k) || kernel_name(kind, 1, false).is_none() {
+            return None;
+        }
+        tiles_plan(n, k, t, w_ptr, soff, self.sm_count, self.max_smem_optin)
+    }
+
+    /// `y[t, n] = x[t, k] · w[n, k]ᵀ` by the tile-owning kernel; `xfp` is x in the column-packed
+    /// layout (prepared by its producer or by the x-prep kernel).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv_q4_tiles(
+        &self,
+        plan: TilesPlan,
+        kind: MmapKind,
+        xfp: u64,
+        w_ptr: u64,
+        soff: u64,
+        y: &CudaTensor,
+        t: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), OpError> {
+        let _span = tracing::trace_span!("gemv_q4_tiles", t, n, k, blocks = plan.blocks).entered();
+        let name = kernel_name(kind, t, plan.staged_x).ok_or_else(|| {
+            OpError::shape("gemv_q4_tiles", format!("no tile build for {kind:?}"))
+        })?;
+        let f = self.func(name)?;
+        let bit = reservation_bit(name);
+        if self.q4_gemv.tiles_reserved.load(Ordering::Relaxed) & bit == 0 {
+            let bytes = block_budget(self.max_smem_optin);
+            allow_dynamic_smem(f, bytes).map_err(|r| {
+                OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
+                    "cuda",
+                    name,
+                    format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
+                ))
+            })?;
+            self.q4_gemv.tiles_reserved.fetch_or(bit, Ordering::Relaxed);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (plan.blocks, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: plan.smem,
+        };
+        let yp = y.ptr();
+        let (t32, k64, n64) = (t as i32, k as u64, n as u64);
+        let (s32, roff, sb) = (plan.stages as i32, plan.ring_off, plan.stage_bytes);
+        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &s32, &roff, &sb];
+        if super::q4mmap::dependent_launch() {
+            self.launch_dependent("gemv", f, cfg, &mut a)
+        } else {
+            self.launch("gemv", f, cfg, &mut a)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPTIN: usize = 227 * 1024;
+
+    #[test]
+    fn selection_parses_on_off_and_a_size() {
+        assert_eq!(Q4Tiles::parse(None), Q4Tiles::Off);
+        assert_eq!(Q4Tiles::parse(Some("0")), Q4Tiles::Off);
+        assert_eq!(Q4Tiles::parse(Some("1")), Q4Tiles::On);
+        assert_eq!(Q4Tiles::parse(Some(" 64 ")), Q4Tiles::UpTo(64 << 20));
+        assert_eq!(Q4Tiles::parse(Some("yes")), Q4Tiles::Off);
+        // 5120×6144 codes are 15 MiB; 34816×5120 are 85 MiB.
+        assert!(Q4Tiles::UpTo(64 << 20).takes(5120, 6144));
+        assert!(!Q4Tiles::UpTo(64 << 20).takes(34816, 5120));
+        for sel in [Q4Tiles::Off, Q4Tiles::On, Q4Tiles::UpTo(64 << 20)] {
+            assert_eq!(Q4Tiles::from_code(sel.code()), sel);
+        }
+    }
+
+    #[test]
+    fn plan_needs_whole_stages_aligned_bytes_and_decode_widths() {
+        let p = |n, k, t, w, s| tiles_plan(n, k, t, w, s, 132, OPTIN);
+        assert!(p(5120, 6144, 1, 0, 0).is_some());
+        assert!(p(5120, 6144 - 128, 1, 0, 0).is_none(), "K % 1024");
+        assert!(p(5120, 1024, 1, 0, 0).is_some());
+        assert!(p(5120, 6144, 1, 8, 0).is_none(), "codes 16-aligned");
+        assert!(p(5120, 6144, 1, 0, 8).is_none(), "scales 16-aligned");
+        assert!(p(5120, 6144, 0, 0, 0).is_none());
+        assert!(p(5120, 6144, 9, 0, 0).is_none());
+        assert!(p(0, 6144, 1, 0, 0).is_none());
+    }
+
+    /// The plan fits the SM's shared memory, mirrors the kernel's layout, and on the 27B shapes
+    /// with K ≤ 6144 keeps two or more whole tiles per block in flight.
+    #[test]
+    fn plan_fits_the_sm_and_sizes_the_ring() {
+        for (n, k) in [
+            (5120, 6144),
+            (16384, 5120),
+            (14336, 5120),
+            (34816, 5120),
+            (248320, 5120),
+            (7, 1024),
+        ] {
+            for t in 1..=8 {
+                let p = tiles_plan(n, k, t, 0, 0, 132, OPTIN).expect("plan at every T");
+                let np = pairs(t);
+                let x = if p.staged_x {
+                    t * ((k / 128) * 400 + 16)
+                } else {
+                    0
+                };
+                assert!(p.stages as usize >= MIN_STAGES);
+                assert_eq!(p.stage_bytes as usize, stage_bytes(k));
+                assert!(p.stage_bytes as usize >= 16 * (k / 2) + 16 * (k / 128) * 2);
+                assert_eq!(p.ring_off % 128, 0);
+                assert_eq!(p.stage_bytes % 128, 0);
+                assert!(p.ring_off as usize >= 16 * p.stages as usize + 8192 * np + x);
+                assert_eq!(
+                    p.smem as usize,
+                    p.ring_off as usize + p.stages as usize * p.stage_bytes as usize
+                );
+                assert!(
+                    p.smem as usize + RESERVED_PER_BLOCK <= SM_SHARED_BYTES
+                        && p.smem as usize <= OPTIN,
+                    "{n}x{k} t={t}: {p:?}"
+                );
+                assert!(p.blocks as usize <= 132 && p.blocks as usize <= n.div_ceil(16));
+            }
+        }
+        // Out projection, one token: x staged (19 KB), 3 whole tiles (49.7 KB each) in the ring:
+        // every tile of a block (2 or 3 of the 320) requested at once.
+        let out = tiles_plan(5120, 6144, 1, 0, 0, 132, OPTIN).expect("plan");
+        assert!(out.staged_x);
+        assert_eq!(out.blocks, 132);
+        assert_eq!(out.stages, 3);
+        // K = 5120 (qkv+z, q+k+v, gate+up), one token: 4 tiles of 41.5 KB.
+        assert_eq!(
+            tiles_plan(16384, 5120, 1, 0, 0, 132, OPTIN)
+                .expect("plan")
+                .stages,
+            4
+        );
+        // The down projection's tiles (K = 17408: 139 KB) do not fit twice: the stream-K kernel.
+        assert!(tiles_plan(5120, 17408, 1, 0, 0, 132, OPTIN).is_none());
+        // A block streaming one tile still gets two stages (the fewest).
+        let few = tiles_plan(132 * 16, 1024, 1, 0, 0, 132, OPTIN).expect("plan");
+        assert_eq!(few.stages as usize, MIN_STAGES);
+        // The kernel runs a shape at every T or at none: x is staged where it still fits.
+        assert!(
+            tiles_plan(16384, 5120, 4, 0, 0, 132, OPTIN)
+                .expect("plan")
+                .staged_x
+        );
+        assert!(
+            !tiles_plan(5120, 6144, 8, 0, 0, 132, OPTIN)
+                .expect("plan")
+                .staged_x
+        );
+        for t in 1..=8 {
+            assert!(tiles_plan(5120, 17408, t, 0, 0, 132, OPTIN).is_none());
+            // Two tiles of K = 4096 (33 KB each) fit 48 KiB at no T.
+            assert!(tiles_plan(4096, 4096, t, 0, 0, 2, 48 * 1024).is_none());
+        }
+        // A small device: fewer blocks than tiles, stages capped by the budget.
+        let small = tiles_plan(4096, 1024, 1, 0, 0, 2, 64 * 1024).expect("plan");
+        assert_eq!(small.blocks, 2);
+        assert!(small.smem as usize <= 64 * 1024);
+    }
+
+    #[test]
+    fn builds_and_reservation_bits_match_the_kernel_table() {
+        let mut bits = 0u32;
+        for kind in [MmapKind::Int8Cols, MmapKind::Int8ColsNl] {
+            for t in 1..=8 {
+                for staged in [false, true] {
+                    let name = kernel_name(kind, t, staged).expect("build");
+                    assert!(kvstream_kernels::module_of(name).is_some(), "{name}");
+                    assert_eq!(name.ends_with("_xs"), staged);
+                    let b = reservation_bit(name);
+                    assert_eq!(b.count_ones(), 1, "{name}");
+                    bits |= b;
+                }
+            }
+        }
+        assert_eq!(bits, (1 << 12) - 1);
+        assert_eq!(
+            kernel_name(MmapKind::Int8Cols, 3, false),
+            Some("gemv_q4i8t2")
+        );
+        assert_eq!(
+            kernel_name(MmapKind::Int8ColsNl, 8, true),
+            Some("gemv_q4nli8t4_xs")
+        );
+        assert_eq!(kernel_name(MmapKind::Int8, 1, false), None);
+    }
+}
