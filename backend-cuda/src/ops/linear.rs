@@ -252,10 +252,19 @@ impl CudaBackend {
         let (n, k) = (w.dims[0], w.dims[1]);
         if w.dtype.is_q4() {
             if let Some(kind) = q4mmap::MmapKind::for_weight(self.q4_gemv(), w.dtype) {
-                let planned = scales_offset("matmul", w)
-                    .ok()
+                let soff = scales_offset("matmul", w).ok();
+                let planned = soff
                     .and_then(|soff| self.q4_mmap_plan(kind, n, k, w.ptr(), soff))
                     .is_some();
+                let tiles = soff
+                    .and_then(|soff| self.q4_tiles_plan(kind, n, k, t, w.ptr(), soff))
+                    .is_some();
+                if planned && tiles {
+                    return match kind {
+                        q4mmap::MmapKind::Int8ColsNl => "gemv_q4nli8t",
+                        _ => "gemv_q4i8t",
+                    };
+                }
                 if planned {
                     return match kind {
                         q4mmap::MmapKind::SplitBf16 => "gemv_q4mmap",
