@@ -542,15 +542,21 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
 /// within 1e-4 of Σ|w·x| of the CPU on wide-range activations, every row of a T-row call
 /// bit-identical to the same row alone, on a partial last tile (7 rows), blocks of one tile (70
 /// rows), the 27B out projection (5120×6144: 2–3 tiles per block, all in flight) and the 27B
-/// qkv+z shape (16384×5120: 7–8 tiles per block through a 4-stage ring, so every slot is refilled
-/// and its barriers change parity), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144). The
+/// qkv+z and MLP gate+up shapes (16384×5120, 34816×5120: 7–8 and 16–17 tiles per block through
+/// 2–4 ring slots, so every slot is refilled several times and its barriers change parity), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144). The
 /// stream-K kernel on the same weight stays within the same bound.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
     let p = Pair::new();
     let mut rng = StdRng::seed_from_u64(34);
-    let cases = [(7, 4096), (70, 2048), (5120, 6144), (16384, 5120)];
+    let cases = [
+        (7, 4096),
+        (70, 2048),
+        (5120, 6144),
+        (16384, 5120),
+        (34816, 5120),
+    ];
     for (dt, (n, k)) in [WeightDType::Q4G128, WeightDType::Q4NlG128]
         .into_iter()
         .flat_map(|dt| cases.into_iter().map(move |c| (dt, c)))

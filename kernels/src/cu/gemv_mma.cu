@@ -920,7 +920,7 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(
 //
 // Block: 2 consumer groups of QT_GW = 8 warps + 1 producer warp, one block per SM (the launcher
 // needs 2 stages: K ≤ 6144 at T ≤ 2). Block b owns tiles [b·tiles/B, (b+1)·tiles/B); tile tl of the
-// block (stage tl, ring slot tl % S) goes to group tl % 2, whose warp wi takes groups wi, wi + 8, …
+// block (ring slot qt_slot(tl)) goes to group tl % 2, whose warp wi takes groups wi, wi + 8, …
 // of the tile (the item of `gemv_q4i8c*`: rows g, g + 8, 16 code bytes each per lane; K % 1024 == 0)
 // and accumulates them ascending. At the end of a tile the group's 8 pair sums meet in shared
 // memory (double-buffered per group, one named barrier per tile and group) and warp
@@ -952,6 +952,15 @@ __device__ __forceinline__ void qt_wait(u32 bar, u32 parity) {
             : "memory");
     } while (!done);
 }
+
+// Ring slots are per group (S even): tile tl (group tl % 2, its j = tl / 2-th) takes slot
+// 2·(j % (S/2)) + tl % 2 in round j / (S/2). A slot shared by both groups would let a group wait
+// for a round two phases ahead of the barrier (the other group's tile between them not yet
+// landed), which a parity wait mistakes for the phase before: the first version of this kernel
+// (slot tl % S, S odd at T = 4) read stale tiles and faulted on an H100 (clean under memcheck,
+// which serialises).
+__device__ __forceinline__ u32 qt_slot(u32 tl, int S) { return 2u * ((tl >> 1) % ((u32)S >> 1)) + (tl & 1u); }
+__device__ __forceinline__ u32 qt_round(u32 tl, int S) { return (tl >> 1) / ((u32)S >> 1); }
 
 // Named barriers among consumer warps only (the producer never joins): 1 + group for one group's
 // 8 warps, 3 for both groups.
@@ -999,7 +1008,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
         // wait. Tile tl of the block: its codes and its scales, two copies.
         if (lane != 0) return;
         for (u32 tl = 0; t0 + tl < t1; tl++) {
-            const u32 slot = tl % (u32)S, round = tl / (u32)S;
+            const u32 slot = qt_slot(tl, S), round = qt_round(tl, S);
             if (round > 0) qt_wait(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
             const u64 row0 = (u64)(t0 + tl) * 16;
             const u32 rows = (u32)min((u64)16, N - row0);
@@ -1050,8 +1059,8 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const u32 osa = 16 * RB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
 
     for (u32 tl = (u32)grp; t0 + tl < t1; tl += 2) {
-        const u32 slot = tl % (u32)S;
-        qt_wait(bars + 8u * slot, (tl / (u32)S) & 1u);
+        const u32 slot = qt_slot(tl, S);
+        qt_wait(bars + 8u * slot, qt_round(tl, S) & 1u);
         const u8* st = ring + (u64)slot * stage_bytes;
         float acc[NP][2];
 #pragma unroll

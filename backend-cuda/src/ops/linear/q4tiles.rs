@@ -127,13 +127,14 @@ fn layout(
     budget: usize,
 ) -> Option<(usize, usize)> {
     let ring_off_for = |s: usize| (16 * s + 8192 * np + x_bytes).next_multiple_of(128);
-    let mut s = stages_wanted.max(MIN_STAGES);
+    // Even: each consumer group has its own half of the slots (`qt_slot` in gemv_mma.cu).
+    let mut s = stages_wanted.max(MIN_STAGES).next_multiple_of(2);
     while s >= MIN_STAGES {
         let off = ring_off_for(s);
         if off + s * stage <= budget {
             return Some((s, off));
         }
-        s -= 1;
+        s -= 2;
     }
     None
 }
@@ -362,7 +363,7 @@ mod tests {
                 } else {
                     0
                 };
-                assert!(p.stages as usize >= MIN_STAGES);
+                assert!(p.stages as usize >= MIN_STAGES && p.stages % 2 == 0);
                 assert_eq!(p.stage_bytes as usize, stage_bytes(k));
                 assert!(p.stage_bytes as usize >= 16 * (k / 2) + 16 * (k / 128) * 2);
                 assert_eq!(p.ring_off % 128, 0);
@@ -380,12 +381,20 @@ mod tests {
                 assert!(p.blocks as usize <= 132 && p.blocks as usize <= n.div_ceil(16));
             }
         }
-        // Out projection, one token: x staged (19 KB), 3 whole tiles (49.7 KB each) in the ring:
+        // Out projection, one token: x staged (19 KB), 4 whole tiles (49.7 KB each) in the ring:
         // every tile of a block (2 or 3 of the 320) requested at once.
         let out = tiles_plan(5120, 6144, 1, 0, 0, 132, OPTIN).expect("plan");
         assert!(out.staged_x);
         assert_eq!(out.blocks, 132);
-        assert_eq!(out.stages, 3);
+        assert_eq!(out.stages, 4);
+        // Four tokens of K = 5120: x (64 KB) leaves room for 2 stages (3 would fit, but the slots
+        // split evenly between the two consumer groups).
+        assert_eq!(
+            tiles_plan(16384, 5120, 4, 0, 0, 132, OPTIN)
+                .expect("plan")
+                .stages,
+            2
+        );
         // K = 5120 (qkv+z, q+k+v, gate+up), one token: 4 tiles of 41.5 KB.
         assert_eq!(
             tiles_plan(16384, 5120, 1, 0, 0, 132, OPTIN)
