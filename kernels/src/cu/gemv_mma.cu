@@ -979,6 +979,7 @@ template <bool XS, int NP, bool NL>
 __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S,
                                            u32 ring_off, u32 stage_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 qt_sm[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 NG = (u32)(K / 128);
@@ -1138,6 +1139,12 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
             qc_store<NP>(sum, t0 + tl, g, tq, T, N, y);
         }
     }
+#else
+    // Bulk copies and transaction-counted barriers are sm_90 features: the launcher never
+    // runs this kernel below sm_90 (backend-cuda/src/ops/linear/q4tiles.rs).
+    (void)xf, (void)w, (void)y, (void)T, (void)K, (void)N, (void)soff, (void)S, (void)ring_off, (void)stage_bytes;
+    __trap();
+#endif
 }
 
 #define Q4I8T_ARGS \

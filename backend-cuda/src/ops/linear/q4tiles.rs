@@ -254,7 +254,11 @@ impl CudaBackend {
         w_ptr: u64,
         soff: u64,
     ) -> Option<TilesPlan> {
-        if !self.q4_tiles().takes(n, k) || kernel_name(kind, 1, false).is_none() {
+        // Bulk copies and transaction-counted barriers: sm_90 and later.
+        if !self.arch_at_least(90)
+            || !self.q4_tiles().takes(n, k)
+            || kernel_name(kind, 1, false).is_none()
+        {
             return None;
         }
         tiles_plan(n, k, t, w_ptr, soff, self.sm_count, self.max_smem_optin)
