@@ -156,10 +156,17 @@ fn sse_framing_errors_queue_limit_and_cancellation() {
         r#"{"prompt":"a","max_tokens":3000,"temperature":0,"stream":true,"ignore_eos":true}"#;
     let running = send(port, "POST", "/v1/completions", long).expect("running");
     let mut first = String::new();
-    BufReader::new(running.try_clone().expect("clone"))
-        .read_line(&mut first)
-        .expect("status line");
+    let mut reader = BufReader::new(running.try_clone().expect("clone"));
+    reader.read_line(&mut first).expect("status line");
     assert!(first.contains("200"), "{first}");
+    // The status line comes as soon as the request is queued; its first SSE event only once the
+    // engine runs it. Until then a second request would find the queue full (429).
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        let n = reader.read_line(&mut line).expect("first event");
+        assert!(n > 0, "the running stream ended before its first event");
+    }
     let queued = send(port, "POST", "/v1/completions", long).expect("queued");
     // Wait until the server has queued it (a fixed sleep flaked under heavy parallel load).
     let t = Instant::now();
