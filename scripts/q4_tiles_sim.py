@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Host check of the tile-owning q4 GEMV's ring protocol (gemv_mma.cu, `q4i8t_body`).
 
-One producer thread streams a block's tiles, in order, into S shared-memory slots; two consumer
-groups of warps take alternate tiles (group tl % 2). Per slot two mbarriers: `full` (count 1: the
+One producer thread streams a block's tiles, in order and in `nch` stages each (whole tiles, or
+chunks of a tile's groups), into S shared-memory slots; two consumer groups of warps take
+alternate tiles (group tl % 2) and each of their stages in order. Per slot two mbarriers: `full` (count 1: the
 producer's arrive.expect_tx; the copy's bytes complete the phase when they land, at any later
 time) and `empty` (count = warps per group: each warp of the consuming group arrives once it has
 read the tile). The producer refills a slot for round r only after `empty` completed phase r - 1;
@@ -10,10 +11,10 @@ a consumer of round r waits for `full` phase r. Waits are parity waits, modelled
 `try_wait.parity(P)` succeeds iff the barrier's current (incomplete) phase has parity != P, so a
 waiter two phases ahead of the barrier passes at once — the race the slot mapping must exclude.
 
-Every interleaving is drawn at random (actors and copy landings), many times per (tiles, S), and
-checked: each consumer reads exactly the tile it waits for, no barrier gets more arrivals than its
+Every interleaving is drawn at random (actors and copy landings), many times per (tiles, stages
+per tile, S), and checked: each consumer reads exactly the tile it waits for, no barrier gets more arrivals than its
 count, no deadlock, every tile consumed. Also a self-test: the first version's mapping (slot
-tl % S, round tl / S), which let both groups share a slot when S is odd, must be caught.
+stage % S, round stage / S), which let both groups share a slot when S is odd, must be caught.
 Exit status 1 on a violation (CI runs this).
 """
 import random
@@ -51,105 +52,118 @@ class Barrier:
         return (self.phase & 1) != parity
 
 
-def new_mapping(tl, s):
-    return 2 * ((tl >> 1) % (s >> 1)) + (tl & 1), (tl >> 1) // (s >> 1)
+def new_mapping(tl, c, nch, s):
+    """gemv_mma.cu's qt_slot / qt_round: the group's j-th stage."""
+    j = (tl >> 1) * nch + c
+    return 2 * (j % (s >> 1)) + (tl & 1), j // (s >> 1)
 
 
-def old_mapping(tl, s):
-    return tl % s, tl // s
+def old_mapping(tl, c, nch, s):
+    """The first version's: slot by block stage index, shared by both groups."""
+    i = tl * nch + c
+    return i % s, i // s
 
 
-def run(tiles, s, mapping, rng):
+def run(tiles, nch, s, mapping, rng):
+    """One block: `tiles` tiles of `nch` stages each; every stage lands as two copies (codes and
+    scales, or a row's codes and the scales: each completes part of the bytes)."""
     full = [Barrier(1) for _ in range(s)]
     empty = [Barrier(WARPS) for _ in range(s)]
-    data = [None] * s
-    in_flight = []  # (slot, tile) copies issued, not landed
-    prod = {"tl": 0, "armed": False}
-    # Consumer warp state: next tile index, stage ("wait" | "read" | "arrive").
+    data = [[None, None] for _ in range(s)]  # what each part of a slot holds
+    in_flight = []  # (slot, part, stage) copies issued, not landed
+    stages = [(tl, c) for tl in range(tiles) for c in range(nch)]
+    prod = 0  # next stage to issue
+    # Consumer warp: its group's stages in order; phase "wait" | "read" | "arrive".
     cons = []
     for grp in range(2):
+        mine = [st for st in stages if st[0] % 2 == grp]
         for w in range(WARPS):
-            cons.append({"grp": grp, "w": w, "tl": grp, "stage": "wait", "seen": None})
+            cons.append({"grp": grp, "w": w, "todo": mine, "i": 0, "phase": "wait"})
     consumed = {}
     steps = 0
     while True:
         steps += 1
-        if steps > 100000:
+        if steps > 200000:
             raise AssertionError("no progress (livelock)")
         actions = []
-        if prod["tl"] < tiles:
-            tl = prod["tl"]
-            slot, rnd = mapping(tl, s)
+        if prod < len(stages):
+            tl, c = stages[prod]
+            slot, rnd = mapping(tl, c, nch, s)
             if rnd == 0 or empty[slot].parity_passed((rnd - 1) & 1):
                 actions.append(("produce", None))
         for i, _ in enumerate(in_flight):
             actions.append(("land", i))
-        for c in cons:
-            if c["tl"] >= tiles:
+        for w in cons:
+            if w["i"] >= len(w["todo"]):
                 continue
-            slot, rnd = mapping(c["tl"], s)
-            if c["stage"] == "wait":
+            tl, c = w["todo"][w["i"]]
+            slot, rnd = mapping(tl, c, nch, s)
+            if w["phase"] == "wait":
                 if full[slot].parity_passed(rnd & 1):
-                    actions.append(("pass", c))
+                    actions.append(("pass", w))
             else:
-                actions.append((c["stage"], c))
+                actions.append((w["phase"], w))
         if not actions:
-            if prod["tl"] < tiles or any(c["tl"] < tiles for c in cons):
+            if prod < len(stages) or any(w["i"] < len(w["todo"]) for w in cons):
                 raise AssertionError("deadlock")
             break
         kind, arg = rng.choice(actions)
         if kind == "produce":
-            tl = prod["tl"]
-            slot, _ = mapping(tl, s)
-            # arrive.expect_tx: the expected bytes first, then the arrival.
-            full[slot].expect_tx(1)
-            full[slot].arrive(f"full[{slot}] tile {tl}")
-            in_flight.append((slot, tl))
-            prod["tl"] += 1
+            tl, c = stages[prod]
+            slot, _ = mapping(tl, c, nch, s)
+            # arrive.expect_tx: the expected bytes first, then the arrival; then the copies.
+            full[slot].expect_tx(2)
+            full[slot].arrive(f"full[{slot}] stage {(tl, c)}")
+            in_flight += [(slot, 0, (tl, c)), (slot, 1, (tl, c))]
+            prod += 1
         elif kind == "land":
-            slot, tl = in_flight.pop(arg)
-            data[slot] = tl
+            slot, part, st = in_flight.pop(arg)
+            data[slot][part] = st
             full[slot].complete_tx(1)
         elif kind == "pass":
-            arg["stage"] = "read"
+            arg["phase"] = "read"
         elif kind == "read":
-            slot, _ = mapping(arg["tl"], s)
-            if data[slot] != arg["tl"]:
+            st = arg["todo"][arg["i"]]
+            slot, _ = mapping(st[0], st[1], nch, s)
+            if data[slot] != [st, st]:
                 raise AssertionError(
-                    f"group {arg['grp']} warp {arg['w']} read slot {slot} holding tile {data[slot]} "
-                    f"for tile {arg['tl']}"
+                    f"group {arg['grp']} warp {arg['w']} read slot {slot} holding {data[slot]} for "
+                    f"stage {st}"
                 )
-            arg["stage"] = "arrive"
+            arg["phase"] = "arrive"
         elif kind == "arrive":
-            slot, _ = mapping(arg["tl"], s)
-            empty[slot].arrive(f"empty[{slot}] tile {arg['tl']}")
-            consumed[arg["tl"]] = consumed.get(arg["tl"], 0) + 1
-            arg["tl"] += 2
-            arg["stage"] = "wait"
-    for tl in range(tiles):
-        if consumed.get(tl) != WARPS:
-            raise AssertionError(f"tile {tl} consumed by {consumed.get(tl)} warps")
+            st = arg["todo"][arg["i"]]
+            slot, _ = mapping(st[0], st[1], nch, s)
+            empty[slot].arrive(f"empty[{slot}] stage {st}")
+            consumed[st] = consumed.get(st, 0) + 1
+            arg["i"] += 1
+            arg["phase"] = "wait"
+    for st in stages:
+        if consumed.get(st) != WARPS:
+            raise AssertionError(f"stage {st} consumed by {consumed.get(st)} warps")
 
 
 def check(mapping, stages, seeds):
     for s in stages:
-        for tiles in range(1, 19):
-            for seed in range(seeds):
-                rng = random.Random(seed * 1000 + tiles * 31 + s)
-                try:
-                    run(tiles, s, mapping, rng)
-                except AssertionError as e:
-                    return f"S={s} tiles={tiles} seed={seed}: {e}"
+        for nch in (1, 2, 3):
+            for tiles in range(1, 13):
+                for seed in range(seeds):
+                    rng = random.Random(seed * 1000 + tiles * 31 + s * 7 + nch)
+                    try:
+                        run(tiles, nch, s, mapping, rng)
+                    except AssertionError as e:
+                        return f"S={s} stages per tile={nch} tiles={tiles} seed={seed}: {e}"
     return None
 
 
 def main():
-    bad = check(new_mapping, [2, 4, 6], 150)
+    bad = check(new_mapping, [2, 4, 6], 60)
     if bad:
         print(f"q4 tiles ring: VIOLATION {bad}")
         return 1
-    print("q4 tiles ring: per-group slots, S in {2, 4, 6}, 1..18 tiles, 150 schedules each: ok")
-    caught = check(old_mapping, [3], 150)
+    print("q4 tiles ring: per-group slots, S in {2, 4, 6}, 1..3 stages per tile, 1..12 tiles, 60 "
+          "schedules each: ok")
+    caught = check(old_mapping, [3], 60)
     if not caught:
         print("q4 tiles ring: self-test FAILED: the shared-slot mapping (S = 3) passed")
         return 1

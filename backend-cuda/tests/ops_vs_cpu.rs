@@ -543,7 +543,9 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
 /// bit-identical to the same row alone, on a partial last tile (7 rows), blocks of one tile (70
 /// rows), the 27B out projection (5120×6144: 2–3 tiles per block, all in flight) and the 27B
 /// qkv+z and MLP gate+up shapes (16384×5120, 34816×5120: 7–8 and 16–17 tiles per block through
-/// 2–4 ring slots, so every slot is refilled several times and its barriers change parity), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144). The
+/// 2–4 ring slots, so every slot is refilled several times and its barriers change parity), and
+/// K = 17408 in half-tile stages (sixteen row copies each; a partial last tile at 1001 rows, the
+/// 27B down projection at 5120), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144). The
 /// stream-K kernel on the same weight stays within the same bound.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -918,11 +918,14 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(
 // tile is shared between blocks (no scratch, counters or fences), and up to ~200 KiB of weights
 // per SM are requested before x exists.
 //
-// Block: 2 consumer groups of QT_GW = 8 warps + 1 producer warp, one block per SM (the launcher
-// needs 2 stages: K ≤ 6144 at T ≤ 2). Block b owns tiles [b·tiles/B, (b+1)·tiles/B); tile tl of the
-// block (ring slot qt_slot(tl)) goes to group tl % 2, whose warp wi takes groups wi, wi + 8, …
-// of the tile (the item of `gemv_q4i8c*`: rows g, g + 8, 16 code bytes each per lane; K % 1024 == 0)
-// and accumulates them ascending. At the end of a tile the group's 8 pair sums meet in shared
+// Block: 2 consumer groups of QT_GW = 8 warps + 1 producer warp, one block per SM. Block b owns
+// tiles [b·tiles/B, (b+1)·tiles/B); tile tl of the block goes to group tl % 2. A stage holds
+// `chunk` groups of a tile: the whole tile (two copies) where two such stages fit the SM (K ≤ 6144),
+// else a divisor of K/128 (the down projection, K = 17408: two halves of 68 groups, sixteen
+// 4,352-byte row copies each) — and always the tile's whole scales (one copy; the second half
+// carries them again, +3% bytes). Warp wi of the group takes each stage's groups wi, wi + 8, …
+// (the item of `gemv_q4i8c*`: rows g, g + 8, 16 code bytes each per lane; K % 1024 == 0) and
+// accumulates the tile's groups in that fixed order. At the end of a tile the group's 8 pair sums meet in shared
 // memory (double-buffered per group, one named barrier per tile and group) and warp
 // (tile / 2) % 8 adds them in warp order and stores. So an output is a function of N and K only
 // (not of T, the grid or whether x is staged): row t of a T-row call equals a 1-row call bit for
@@ -930,9 +933,9 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(
 // two wavefronts per quarter warp.)
 //
 // Barriers: full[s] (1 arrival, the producer's expect_tx; the copies complete the bytes), empty[s]
-// (QT_GW arrivals, one per warp of the consuming group once its lanes have read the tile). Round r
-// of slot s waits full[s] phase r (parity r & 1); the producer refills slot s for round r only
-// after empty[s] phase r - 1.
+// (QT_GW arrivals, one per warp of the consuming group once its lanes have read the stage). Round
+// r of slot s waits full[s] phase r (parity r & 1); the producer refills slot s for round r only
+// after empty[s] phase r - 1. Each group has its own slots (qt_slot).
 #define QT_GW 8
 #define QT_THREADS ((2 * QT_GW + 1) * 32)
 
@@ -953,14 +956,22 @@ __device__ __forceinline__ void qt_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
-// Ring slots are per group (S even): tile tl (group tl % 2, its j = tl / 2-th) takes slot
-// 2·(j % (S/2)) + tl % 2 in round j / (S/2). A slot shared by both groups would let a group wait
-// for a round two phases ahead of the barrier (the other group's tile between them not yet
-// landed), which a parity wait mistakes for the phase before: the first version of this kernel
-// (slot tl % S, S odd at T = 4) read stale tiles and faulted on an H100 (clean under memcheck,
-// which serialises).
-__device__ __forceinline__ u32 qt_slot(u32 tl, int S) { return 2u * ((tl >> 1) % ((u32)S >> 1)) + (tl & 1u); }
-__device__ __forceinline__ u32 qt_round(u32 tl, int S) { return (tl >> 1) / ((u32)S >> 1); }
+// Ring slots are per group (S even): the j-th stage of group grp (the stages of its tiles, in
+// order) takes slot 2·(j % (S/2)) + grp in round j / (S/2). A slot shared by both groups would let
+// a group wait for a round two phases ahead of the barrier (the other group's stage between them
+// not yet landed), which a parity wait mistakes for the phase before: the first version of this
+// kernel (slot tile % S, S odd at T = 4) read stale tiles and faulted on an H100 (clean under
+// memcheck, which serialises). scripts/q4_tiles_sim.py checks the mapping.
+__device__ __forceinline__ u32 qt_slot(u32 j, u32 grp, int S) { return 2u * (j % ((u32)S >> 1)) + grp; }
+__device__ __forceinline__ u32 qt_round(u32 j, int S) { return j / ((u32)S >> 1); }
+
+// `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), counted on the
+// mbarrier at `bar`.
+__device__ __forceinline__ void qt_bulk(u32 dst, const u8* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 
 // Named barriers among consumer warps only (the producer never joins): 1 + group for one group's
 // 8 warps, 3 for both groups.
@@ -972,18 +983,20 @@ __device__ __forceinline__ void qt_consumers_sync() {
 }
 
 // Shared memory: full[S], empty[S] (u64), the tile sums [2 groups][2][QT_GW][NP·64] floats, x (XS:
-// T rows of `tstride` uint4), then the ring at `ring_off`: S stages of `stage_bytes` (a tile's
-// codes [16][K/2], then its scales [16][K/128] u16; 128-aligned). The launcher computes the same
+// T rows of `tstride` uint4), then the ring at `ring_off`: S stages of `stage_bytes` (a chunk's
+// codes [16][chunk·64], then the tile's scales [16][K/128] u16; 128-aligned). The launcher computes the same
 // layout (backend-cuda/src/ops/linear/q4tiles.rs).
 template <bool XS, int NP, bool NL>
 __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S,
-                                           u32 ring_off, u32 stage_bytes) {
+                                           u32 ring_off, u32 stage_bytes, u32 chunk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 qt_sm[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 NG = (u32)(K / 128);
     const u32 RB = (u32)(K / 2);  // code bytes per row
+    const u32 CB = chunk * 64;    // code bytes per row and stage
+    const u32 NCH = NG / chunk;   // stages per tile
     const u32 tiles = (u32)((N + 15) / 16);
     const u32 t0 = (u32)((u64)blockIdx.x * tiles / gridDim.x);
     const u32 t1 = (u32)((u64)(blockIdx.x + 1) * tiles / gridDim.x);
@@ -1006,27 +1019,30 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
 
     if (warp == 2 * QT_GW) {
         // The producer (one thread): weights only, independent of the previous kernel, so no grid
-        // wait. Tile tl of the block: its codes and its scales, two copies.
+        // wait. Stage (tile tl, chunk c): its codes (one copy for a whole tile, else one per row)
+        // and the tile's scales (one copy).
         if (lane != 0) return;
         for (u32 tl = 0; t0 + tl < t1; tl++) {
-            const u32 slot = qt_slot(tl, S), round = qt_round(tl, S);
-            if (round > 0) qt_wait(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
             const u64 row0 = (u64)(t0 + tl) * 16;
             const u32 rows = (u32)min((u64)16, N - row0);
-            const u32 full = bars + 8u * slot;
-            const u32 st = qt_smem(ring + (u64)slot * stage_bytes);
-            const u32 cb = rows * RB, sb = rows * NG * 2;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full), "r"(cb + sb)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(st),
-                "l"(w + row0 * RB), "r"(cb), "r"(full)
-                : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                    st + 16u * RB),
-                "l"(w + soff + row0 * ((u64)NG * 2)), "r"(sb), "r"(full)
-                : "memory");
+            const u32 sb = rows * NG * 2;
+            for (u32 c = 0; c < NCH; c++) {
+                const u32 j = (tl >> 1) * NCH + c;
+                const u32 slot = qt_slot(j, tl & 1u, S), round = qt_round(j, S);
+                if (round > 0) qt_wait(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
+                const u32 full = bars + 8u * slot;
+                const u32 st = qt_smem(ring + (u64)slot * stage_bytes);
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
+                             "r"(rows * CB + sb)
+                             : "memory");
+                const u8* src = w + row0 * RB + (u64)c * CB;
+                if (NCH == 1) {
+                    qt_bulk(st, src, rows * CB, full);
+                } else {
+                    for (u32 r = 0; r < rows; r++) qt_bulk(st + r * CB, src + (u64)r * RB, CB, full);
+                }
+                qt_bulk(st + 16u * CB, w + soff + row0 * ((u64)NG * 2), sb, full);
+            }
         }
         return;
     }
@@ -1055,66 +1071,71 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     }
     const int mul = (int)qc_keep((tq & 1) ? 1u : 256u);
     const int mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
-    // This lane's bytes of a tile at group 0: codes of rows g and g + 8, their scales.
-    const u32 offa = (u32)g * RB + (u32)tq * 16, offb = offa + 8 * RB;
-    const u32 osa = 16 * RB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
+    // This lane's bytes of a stage at its first group: codes of rows g and g + 8, their scales.
+    const u32 offa = (u32)g * CB + (u32)tq * 16, offb = offa + 8 * CB;
+    const u32 osa = 16 * CB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
 
     for (u32 tl = (u32)grp; t0 + tl < t1; tl += 2) {
-        const u32 slot = qt_slot(tl, S);
-        qt_wait(bars + 8u * slot, qt_round(tl, S) & 1u);
-        const u8* st = ring + (u64)slot * stage_bytes;
         float acc[NP][2];
 #pragma unroll
         for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
-        // Two items in flight per warp (the MMA chains of one item are serial).
+        for (u32 c = 0; c < NCH; c++) {
+            const u32 j = (tl >> 1) * NCH + c;
+            const u32 slot = qt_slot(j, (u32)grp, S);
+            qt_wait(bars + 8u * slot, qt_round(j, S) & 1u);
+            const u8* st = ring + (u64)slot * stage_bytes;
+            // Two items in flight per warp (the MMA chains of one item are serial).
 #pragma unroll 2
-        for (u32 gi = (u32)wi; gi < NG; gi += QT_GW) {
-            const uint4 va4 = *(const uint4*)(st + offa + gi * 64), vb4 = *(const uint4*)(st + offb + gi * 64);
-            const float qa = f16_to_f32(*(const u16*)(st + osa + gi * 2));
-            const float qb = f16_to_f32(*(const u16*)(st + osb + gi * 2));
-            const uint2* xg = x2 + gi * (QC_U4 * 2);
-            int cc[NP][4];
+            for (u32 gl = (u32)wi; gl < chunk; gl += QT_GW) {
+                const u32 gi = c * chunk + gl;
+                const uint4 va4 = *(const uint4*)(st + offa + gl * 64), vb4 = *(const uint4*)(st + offb + gl * 64);
+                const float qa = f16_to_f32(*(const u16*)(st + osa + gi * 2));
+                const float qb = f16_to_f32(*(const u16*)(st + osb + gi * 2));
+                const uint2* xg = x2 + gi * (QC_U4 * 2);
+                int cc[NP][4];
 #pragma unroll
-            for (int p = 0; p < NP; p++) cc[p][0] = cc[p][1] = cc[p][2] = cc[p][3] = 0;
+                for (int p = 0; p < NP; p++) cc[p][0] = cc[p][1] = cc[p][2] = cc[p][3] = 0;
 #pragma unroll
-            for (int wd = 0; wd < 4; wd++) {
-                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
-                u32 a0, a1, a2, a3;
-                if (NL) {
-                    a0 = q4nl_lookup4(va);
-                    a1 = q4nl_lookup4(vb);
-                    a2 = q4nl_lookup4(va >> 16);
-                    a3 = q4nl_lookup4(vb >> 16);
-                } else {
-                    a0 = va & 0x0f0f0f0fu;
-                    a1 = vb & 0x0f0f0f0fu;
-                    a2 = (va >> 4) & 0x0f0f0f0fu;
-                    a3 = (vb >> 4) & 0x0f0f0f0fu;
+                for (int wd = 0; wd < 4; wd++) {
+                    const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+                    u32 a0, a1, a2, a3;
+                    if (NL) {
+                        a0 = q4nl_lookup4(va);
+                        a1 = q4nl_lookup4(vb);
+                        a2 = q4nl_lookup4(va >> 16);
+                        a3 = q4nl_lookup4(vb >> 16);
+                    } else {
+                        a0 = va & 0x0f0f0f0fu;
+                        a1 = vb & 0x0f0f0f0fu;
+                        a2 = (va >> 4) & 0x0f0f0f0fu;
+                        a3 = (vb >> 4) & 0x0f0f0f0fu;
+                    }
+#pragma unroll
+                    for (int p = 0; p < NP; p++) {
+                        const uint2 b = (xg + xoff[p])[wd * 12];
+                        if (NL) {
+                            qi_mma_s8(cc[p], a0, a1, a2, a3, b.x, b.y);
+                        } else {
+                            qi_mma(cc[p], a0, a1, a2, a3, b.x, b.y);
+                        }
+                    }
                 }
 #pragma unroll
                 for (int p = 0; p < NP; p++) {
-                    const uint2 b = (xg + xoff[p])[wd * 12];
-                    if (NL) {
-                        qi_mma_s8(cc[p], a0, a1, a2, a3, b.x, b.y);
-                    } else {
-                        qi_mma(cc[p], a0, a1, a2, a3, b.x, b.y);
-                    }
+                    const uint2 m = *(xg + moff[p]);
+                    const float xsc = __uint_as_float(m.x);
+                    const int va = cc[p][0] * mul + cc[p][1] * mul1 + (int)m.y;
+                    const int vb = cc[p][2] * mul + cc[p][3] * mul1 + (int)m.y;
+                    acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
+                    acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
                 }
             }
-#pragma unroll
-            for (int p = 0; p < NP; p++) {
-                const uint2 m = *(xg + moff[p]);
-                const float xsc = __uint_as_float(m.x);
-                const int va = cc[p][0] * mul + cc[p][1] * mul1 + (int)m.y;
-                const int vb = cc[p][2] * mul + cc[p][3] * mul1 + (int)m.y;
-                acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
-                acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
+            // This warp has read its part of the stage: release the slot once the group's 8 have.
+            __syncwarp();
+            if (lane == 0) {
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bars + 8u * ((u32)S + slot))
+                             : "memory");
             }
-        }
-        // This warp has read its part of the tile: release the slot once the group's 8 have.
-        __syncwarp();
-        if (lane == 0) {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bars + 8u * ((u32)S + slot)) : "memory");
         }
         // The group's pair sums meet; warp (tl / 2) % 8 adds them in warp order and stores.
         const u32 k = tl >> 1;
@@ -1133,7 +1154,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     float a = part[(p * 2 + i) * 32 + lane];
-                    for (int j = 1; j < QT_GW; j++) a += part[j * (NP * 64) + (p * 2 + i) * 32 + lane];
+                    for (int q = 1; q < QT_GW; q++) a += part[q * (NP * 64) + (p * 2 + i) * 32 + lane];
                     sum[p][i] = a;
                 }
             qc_store<NP>(sum, t0 + tl, g, tq, T, N, y);
@@ -1142,14 +1163,16 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
 #else
     // Bulk copies and transaction-counted barriers are sm_90 features: the launcher never
     // runs this kernel below sm_90 (backend-cuda/src/ops/linear/q4tiles.rs).
-    (void)xf, (void)w, (void)y, (void)T, (void)K, (void)N, (void)soff, (void)S, (void)ring_off, (void)stage_bytes;
+    (void)xf, (void)w, (void)y, (void)T, (void)K, (void)N, (void)soff, (void)S, (void)ring_off, (void)stage_bytes,
+        (void)chunk;
     __trap();
 #endif
 }
 
-#define Q4I8T_ARGS \
-    const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S, u32 ring_off, u32 stage_bytes
-#define Q4I8T_PASS xf, w, y, T, K, N, soff, S, ring_off, stage_bytes
+#define Q4I8T_ARGS                                                                                  \
+    const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S, u32 ring_off, u32 stage_bytes, \
+        u32 chunk
+#define Q4I8T_PASS xf, w, y, T, K, N, soff, S, ring_off, stage_bytes, chunk
 extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t1(Q4I8T_ARGS) {
     q4i8t_body<false, 1, false>(Q4I8T_PASS);
 }

@@ -4,7 +4,9 @@
 //! shared-memory ring with bulk copies, and a block owns whole 16-row tiles (no fix-up).
 //!
 //! Taken, when [`Q4_TILES_ENV`] selects it, for every q4 GEMV of a suitable shape (K a multiple
-//! of 1,024, 16-byte aligned codes and scales): the choice depends on the shape only, never on T,
+//! of 1,024, 16-byte aligned codes and scales, two stages fit: whole tiles up to K = 6144 on
+//! Hopper, K/128-divisor chunks with rows of >= 2 KiB beyond): the choice depends on the shape
+//! only, never on T,
 //! so a row of an MTP verification call equals the single step bit for bit (the kernel's sums are
 //! a function of N and K only).
 
@@ -29,10 +31,26 @@ const RESERVED_PER_BLOCK: usize = 1024;
 /// Fewest ring stages (whole tiles) worth a launch: one in flight while one is read.
 const MIN_STAGES: usize = 2;
 
-/// Bytes of one ring stage: a 16-row tile's codes (`16 · K/2`) and scales (`16 · K/128 · 2`),
-/// rounded up to 128.
-fn stage_bytes(k: usize) -> usize {
-    (16 * (k / 2 + k / 128 * 2)).next_multiple_of(128)
+/// Fewest code bytes per row of a stage that is not a whole tile: each such row is its own bulk
+/// copy, and the copy unit's rate per operation (one per ~70 SM cycles, session 22) must not be
+/// the limit.
+const MIN_ROW_BYTES: usize = 2048;
+
+/// Bytes of one ring stage of `chunk` groups: 16 rows of `chunk · 64` code bytes and the tile's
+/// scales (`16 · K/128 · 2`), rounded up to 128.
+fn stage_bytes(k: usize, chunk: usize) -> usize {
+    (16 * (chunk * 64 + k / 128 * 2)).next_multiple_of(128)
+}
+
+/// Groups per stage for K = `k`: the whole tile where two such stages fit beside the largest
+/// build's sums (x read through L1), else the largest divisor of K/128 with rows of at least
+/// [`MIN_ROW_BYTES`] that fits twice; `None` when none does. A function of K and the device only.
+fn stage_groups(k: usize, budget: usize) -> Option<usize> {
+    let ng = k / 128;
+    (1..=ng)
+        .rev()
+        .filter(|&c| ng % c == 0 && (c == ng || c * 64 >= MIN_ROW_BYTES))
+        .find(|&c| layout(MIN_STAGES, stage_bytes(k, c), pairs(8), 0, budget).is_some())
 }
 
 /// Which q4 GEMV shapes take the tile-owning kernel (`KVSTREAM_Q4_TILES`, or
@@ -97,6 +115,8 @@ pub(crate) struct TilesPlan {
     pub(crate) stages: u32,
     pub(crate) ring_off: u32,
     pub(crate) stage_bytes: u32,
+    /// Groups of 128 values per stage (a divisor of K/128; K/128 = whole tiles).
+    pub(crate) chunk: u32,
     pub(crate) staged_x: bool,
     pub(crate) smem: u32,
 }
@@ -141,8 +161,7 @@ fn layout(
 
 /// The plan for `t` tokens of `[n, k]` q4 codes at `w_ptr` (scales at byte `soff`) on `sms`
 /// multiprocessors, or `None` when the shape does not suit the kernel (K not a multiple of
-/// 1,024, unaligned codes or scales, T outside 1..=8, no room for two whole tiles: K ≤ 6144 at
-/// T ≤ 2 on Hopper).
+/// 1,024, unaligned codes or scales, T outside 1..=8, no room for two stages).
 pub(crate) fn tiles_plan(
     n: usize,
     k: usize,
@@ -160,14 +179,15 @@ pub(crate) fn tiles_plan(
     }
     let tiles = n.div_ceil(16);
     let blocks = (sms.max(1) * BLOCKS_PER_SM).min(tiles);
-    // The most tiles any block streams: more ring than that buys nothing.
-    let stages_wanted = tiles.div_ceil(blocks);
     let np = pairs(t);
     let budget = block_budget(max_smem_optin);
-    let stage = stage_bytes(k);
-    // Whether the shape runs here must not depend on T (a verification row must equal the single
-    // step bit for bit): two stages must fit beside the largest build's sums, x read through L1.
-    layout(MIN_STAGES, stage, pairs(8), 0, budget)?;
+    // Whether the shape runs here, and how its stages are cut, must not depend on T (a
+    // verification row must equal the single step bit for bit): two stages must fit beside the
+    // largest build's sums, x read through L1.
+    let chunk = stage_groups(k, budget)?;
+    let stage = stage_bytes(k, chunk);
+    // The most stages any block streams: more ring than that buys nothing.
+    let stages_wanted = tiles.div_ceil(blocks) * (k / 128 / chunk);
     // x staged when it leaves room for two stages (else read through L1).
     let x_bytes = t * ((k / 128) * super::q4mma::I8C_XPREP_BYTES_PER_GROUP + 16);
     let staged = layout(MIN_STAGES, stage, np, x_bytes, budget).is_some();
@@ -183,6 +203,7 @@ pub(crate) fn tiles_plan(
         stages: u32::try_from(stages).ok()?,
         ring_off: u32::try_from(ring_off).ok()?,
         stage_bytes: u32::try_from(stage).ok()?,
+        chunk: u32::try_from(chunk).ok()?,
         staged_x: staged,
         smem: u32::try_from(ring_off + stages * stage).ok()?,
     })
@@ -303,8 +324,13 @@ impl CudaBackend {
         };
         let yp = y.ptr();
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
-        let (s32, roff, sb) = (plan.stages as i32, plan.ring_off, plan.stage_bytes);
-        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &s32, &roff, &sb];
+        let (s32, roff, sb, ch) = (
+            plan.stages as i32,
+            plan.ring_off,
+            plan.stage_bytes,
+            plan.chunk,
+        );
+        let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &s32, &roff, &sb, &ch];
         if super::q4mmap::dependent_launch() {
             self.launch_dependent("gemv", f, cfg, &mut a)
         } else {
@@ -347,12 +373,14 @@ mod tests {
         assert!(p(0, 6144, 1, 0, 0).is_none());
     }
 
-    /// The plan fits the SM's shared memory, mirrors the kernel's layout, and on the 27B shapes
-    /// with K ≤ 6144 keeps two or more whole tiles per block in flight.
+    /// The plan fits the SM's shared memory, mirrors the kernel's layout, keeps two or more
+    /// whole tiles per block in flight on the 27B shapes with K ≤ 6144, and cuts K = 17408 into
+    /// halves.
     #[test]
     fn plan_fits_the_sm_and_sizes_the_ring() {
         for (n, k) in [
             (5120, 6144),
+            (5120, 17408),
             (16384, 5120),
             (14336, 5120),
             (34816, 5120),
@@ -368,8 +396,15 @@ mod tests {
                     0
                 };
                 assert!(p.stages as usize >= MIN_STAGES && p.stages % 2 == 0);
-                assert_eq!(p.stage_bytes as usize, stage_bytes(k));
-                assert!(p.stage_bytes as usize >= 16 * (k / 2) + 16 * (k / 128) * 2);
+                let c = p.chunk as usize;
+                assert_eq!(k / 128 % c, 0);
+                assert_eq!(p.stage_bytes as usize, stage_bytes(k, c));
+                assert!(p.stage_bytes as usize >= 16 * c * 64 + 16 * (k / 128) * 2);
+                // The cut depends on K (and the device) only, never on T.
+                assert_eq!(
+                    p.chunk,
+                    tiles_plan(n, k, 1, 0, 0, 132, OPTIN).expect("T = 1").chunk
+                );
                 assert_eq!(p.ring_off % 128, 0);
                 assert_eq!(p.stage_bytes % 128, 0);
                 assert!(p.ring_off as usize >= 16 * p.stages as usize + 8192 * np + x);
@@ -406,8 +441,22 @@ mod tests {
                 .stages,
             4
         );
-        // The down projection's tiles (K = 17408: 139 KB) do not fit twice: the stream-K kernel.
-        assert!(tiles_plan(5120, 17408, 1, 0, 0, 132, OPTIN).is_none());
+        // Whole tiles up to K = 6144.
+        for k in [1024, 5120, 6144] {
+            assert_eq!(stage_groups(k, block_budget(OPTIN)), Some(k / 128));
+        }
+        // The down projection's tiles (K = 17408: 139 KB) do not fit twice: halves of 68 groups
+        // (4,352-byte rows), x (54 KB) staged at T = 1 beside two of them.
+        let down = tiles_plan(5120, 17408, 1, 0, 0, 132, OPTIN).expect("plan");
+        assert_eq!((down.chunk, down.stages), (68, 2));
+        assert!(down.staged_x);
+        // No cut fits: K = 1024 · 1021 has 8 · 1021 groups, whose divisors give rows of 512 bytes
+        // (too small a copy) or of 64 KB and more (too large a stage).
+        assert_eq!(stage_groups(1024 * 1021, block_budget(OPTIN)), None);
+        assert!(tiles_plan(64, 1024 * 1021, 1, 0, 0, 132, OPTIN).is_none());
+        // K = 131072 (1024 groups): stages of 64 groups (4 KiB rows; the tile's 32 KB of scales
+        // ride along in each).
+        assert_eq!(stage_groups(131072, block_budget(OPTIN)), Some(64));
         // A block streaming one tile still gets two stages (the fewest).
         let few = tiles_plan(132 * 16, 1024, 1, 0, 0, 132, OPTIN).expect("plan");
         assert_eq!(few.stages as usize, MIN_STAGES);
@@ -423,8 +472,8 @@ mod tests {
                 .staged_x
         );
         for t in 1..=8 {
-            assert!(tiles_plan(5120, 17408, t, 0, 0, 132, OPTIN).is_none());
-            // Two tiles of K = 4096 (33 KB each) fit 48 KiB at no T.
+            // Two tiles of K = 4096 (33 KB each) fit 48 KiB at no T; neither do halves (1 KiB
+            // rows are below the copy size).
             assert!(tiles_plan(4096, 4096, t, 0, 0, 2, 48 * 1024).is_none());
         }
         // A small device: fewer blocks than tiles, stages capped by the budget.
