@@ -485,6 +485,17 @@ fn gemv_rows_are_bit_identical_for_every_width() {
     }
 }
 
+/// `n` activations spanning 1e-6 .. 1e5 in magnitude, random signs.
+fn wide_range_x(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let mag = 10f32.powi((i % 12) as i32 - 6);
+            let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
+            s * mag * rng.random_range(0.5f32..1.0)
+        })
+        .collect()
+}
+
 /// Every q4_g128 and q4_nl_g128 decode GEMV path (SIMT, the persistent tensor-core kernels with x
 /// staged in shared memory for small T·K and read from global memory else, and the default Auto):
 /// within 1e-4 of Σ|w·x| of
@@ -504,13 +515,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
         let w = heavy(&mut rng, n * k, 0.5);
         let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
         let (wc, wg) = p.w(&w, &[n, k], dt);
-        let x: Vec<f32> = (0..8 * k)
-            .map(|i| {
-                let mag = 10f32.powi((i % 12) as i32 - 6);
-                let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
-                s * mag * rng.random_range(0.5f32..1.0)
-            })
-            .collect();
+        let x = wide_range_x(&mut rng, 8 * k);
         for path in [
             Q4Gemv::Simt,
             Q4Gemv::MmaPersistent,
@@ -566,13 +571,7 @@ fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
         let w = heavy(&mut rng, n * k, 0.5);
         let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
         let (wc, wg) = p.w(&w, &[n, k], dt);
-        let x: Vec<f32> = (0..8 * k)
-            .map(|i| {
-                let mag = 10f32.powi((i % 12) as i32 - 6);
-                let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
-                s * mag * rng.random_range(0.5f32..1.0)
-            })
-            .collect();
+        let x = wide_range_x(&mut rng, 8 * k);
         let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
         let c = p
             .cpu

@@ -207,12 +207,6 @@ extern "C" __global__ void attn_accumulate(const float* q, const u8* pool, float
 #define FA_ROWS 32
 #define FA_SROW 68
 
-__device__ __forceinline__ u32 fa_smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void fa_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -356,17 +350,6 @@ __device__ __forceinline__ void fa_tma3(u32 dst, const FaTmap* map, int c0, int 
         "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
-// Waits until the barrier's phase `parity` completed (its bytes landed and are visible).
-__device__ __forceinline__ void fa_bar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
 #endif
 
 // Issues the asynchronous copy of `cnt` tokens' head rows of one plane (token t of the chunk at
@@ -385,7 +368,7 @@ __device__ __forceinline__ void fa_issue_walk(u8* dst, const u8* src, int cnt, u
     const u8* s = src + (u64)(i / N) * row + p * VEC;
     const u64 step = (u64)DT * row + DP * VEC;
     const u64 wrap = row - (u64)N * VEC;
-    u32 d = fa_smem_addr(dst) + i * VEC;
+    u32 d = smem_u32(dst) + i * VEC;
     for (; i < total; i += FA_THREADS) {
         if constexpr (VEC == 16) {
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(s) : "memory");
@@ -517,18 +500,18 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     // K(ci) completes phase ci / 2 of its buffer's barrier, V(ci) phase ci of the V barrier; every
     // issued copy is waited for before the block ends.
     const bool tma = tma_maps != 0 && vec == 16;
-    const u32 bar0 = fa_smem_addr(bars);
+    const u32 bar0 = smem_u32(bars);
     auto kbar = [&](int ci) { return bar0 + (u32)kslot(ci) * 8u; };
     const u32 vbar = bar0 + 16u;
     // Box coordinates of chunk ci: (head's first word, slot in the page, page of the span).
     auto tma_k = [&](int ci) {
         const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
-        fa_tma3(fa_smem_addr(kbuf + kslot(ci) * FA_CHUNK * KHB), tmk, kvh * (KHB / 4), rel & (geo.tpp - 1),
+        fa_tma3(smem_u32(kbuf + kslot(ci) * FA_CHUNK * KHB), tmk, kvh * (KHB / 4), rel & (geo.tpp - 1),
                 rel >> tpp_log2, kbar(ci), FA_CHUNK * KHB);
     };
     auto tma_v = [&](int ci) {
         const int rel = (cfirst + ci * n_splits) * FA_CHUNK - span_first;
-        fa_tma3(fa_smem_addr(vbuf), tmv, kvh * (VHB / 4), rel & (geo.tpp - 1), rel >> tpp_log2, vbar,
+        fa_tma3(smem_u32(vbuf), tmv, kvh * (VHB / 4), rel & (geo.tpp - 1), rel >> tpp_log2, vbar,
                 FA_CHUNK * VHB);
     };
     if (tma) {
@@ -873,7 +856,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             const int cnt = min(FA_CHUNK, end - (cfirst + ci * n_splits) * FA_CHUNK);
 #if FA_TMA_ON
             if (tma) {
-                fa_bar_wait(kbar(ci), (u32)ci & 1u);  // K(ci): phase ci of the one K barrier
+                mbar_wait_parity(kbar(ci), (u32)ci & 1u);  // K(ci): phase ci of the one K barrier
             } else
 #endif
             {
@@ -886,7 +869,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             softmax_phase(sS);
 #if FA_TMA_ON
             if (tma) {
-                fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
+                mbar_wait_parity(vbar, (u32)ci & 1u);  // V(ci)
                 zero_v_rows_from(cnt);            // rows past a partial chunk: finite (zero) scales
             }
 #endif
@@ -905,7 +888,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         // K(ci + 3) goes into the buffer QK(ci + 1) has just released.
         float* const sS2 = (float*)((u8*)bars + 32);
         if (tid == 0 && nchunks > 1) tma_k(1);
-        fa_bar_wait(kbar(0), 0u);
+        mbar_wait_parity(kbar(0), 0u);
         __syncthreads();  // the query fragments and row state are visible
         qk_phase(0, sS);
         __syncthreads();  // QK(0) done: K buffer 0 is free
@@ -916,10 +899,10 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             const int cnt = min(FA_CHUNK, end - (cfirst + ci * n_splits) * FA_CHUNK);
             softmax_phase(sc);
             if (ci + 1 < nchunks) {
-                fa_bar_wait(kbar(ci + 1), (u32)((ci + 1) >> 1) & 1u);  // K(ci + 1)
+                mbar_wait_parity(kbar(ci + 1), (u32)((ci + 1) >> 1) & 1u);  // K(ci + 1)
                 qk_phase(ci + 1, sn);
             }
-            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci); a partial chunk's extra rows get zero scales
+            mbar_wait_parity(vbar, (u32)ci & 1u);  // V(ci); a partial chunk's extra rows get zero scales
             zero_v_rows_from(cnt);
             __syncthreads();  // P(ci) and alpha visible; QK(ci + 1) done, its K buffer free
             if (tid == 0 && ci + 3 < nchunks) tma_k(ci + 3);
@@ -934,7 +917,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         const int cnt = min(FA_CHUNK, end - c0);
 #if FA_TMA_ON
         if (tma) {
-            fa_bar_wait(kbar(ci), (u32)(ci >> 1) & 1u);  // K(ci)
+            mbar_wait_parity(kbar(ci), (u32)(ci >> 1) & 1u);  // K(ci)
             __syncthreads();  // everyone is done with K(ci-1) and V(ci-1)
             if (tid == 0) {
                 if (ci > 0) tma_v(ci);
@@ -956,7 +939,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
         softmax_phase(sS);
 #if FA_TMA_ON
         if (tma) {
-            fa_bar_wait(vbar, (u32)ci & 1u);  // V(ci)
+            mbar_wait_parity(vbar, (u32)ci & 1u);  // V(ci)
             // The box brought rows past a partial chunk's end: zero them so their scales are
             // finite (p = 0 there). Only the last chunk is partial, so no later copy lands here.
             zero_v_rows_from(cnt);

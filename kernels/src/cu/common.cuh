@@ -72,6 +72,30 @@ __device__ __forceinline__ float load_w(const void* p, int dt, u64 i) {
     return ((const float*)p)[i];
 }
 
+// The shared-memory address of a generic pointer into shared memory (for cp.async, bulk copies
+// and mbarriers).
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Waits until the phase of the mbarrier at `bar` with parity `parity` has completed (a copy's
+// bytes landed and are visible, or the expected arrivals came). A parity wait cannot tell a phase
+// from the one two later: a waiter must never run two phases ahead of the barrier.
+__device__ __forceinline__ void mbar_wait_parity(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+#endif
+
 // Programmatic dependent launch (sm_90): lets the next kernel of the stream start now if it was
 // launched as a programmatic dependent (the q4 tensor-core GEMVs after their x prep: they stream
 // their first weights, then `griddepcontrol.wait` for this grid's completion and memory before

@@ -703,6 +703,56 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, u32 g
     sk_finished(&counters[ct], lane);
 }
 
+// One item of the column-packed kernels (`gemv_q4i8c*`, `gemv_q4i8t*`), in two halves so the
+// stream-K kernel can refill its register ring between them: the MMAs of the item's four code
+// words (codes of rows g, g + 8 in va4, vb4; x fragments of the group at xg) into c, then the
+// group's value per token pair scaled into acc (see the layout above).
+template <int NP, bool NL>
+__device__ __forceinline__ void qc_item_mmas(const uint4& va4, const uint4& vb4, const uint2* xg, const u32* xoff,
+                                             int (*c)[4]) {
+#pragma unroll
+    for (int p = 0; p < NP; p++) c[p][0] = c[p][1] = c[p][2] = c[p][3] = 0;
+#pragma unroll
+    for (int wd = 0; wd < 4; wd++) {
+        const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
+        u32 a0, a1, a2, a3;
+        if (NL) {
+            a0 = q4nl_lookup4(va);
+            a1 = q4nl_lookup4(vb);
+            a2 = q4nl_lookup4(va >> 16);
+            a3 = q4nl_lookup4(vb >> 16);
+        } else {
+            a0 = va & 0x0f0f0f0fu;
+            a1 = vb & 0x0f0f0f0fu;
+            a2 = (va >> 4) & 0x0f0f0f0fu;
+            a3 = (vb >> 4) & 0x0f0f0f0fu;
+        }
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const uint2 b = (xg + xoff[p])[wd * 12];
+            if (NL) {
+                qi_mma_s8(c[p], a0, a1, a2, a3, b.x, b.y);
+            } else {
+                qi_mma(c[p], a0, a1, a2, a3, b.x, b.y);
+            }
+        }
+    }
+}
+
+template <int NP>
+__device__ __forceinline__ void qc_item_acc(const int (*c)[4], const uint2* xg, const u32* moff, int mul, int mul1,
+                                            float qa, float qb, float (*acc)[2]) {
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const uint2 m = *(xg + moff[p]);
+        const float xsc = __uint_as_float(m.x);
+        const int va = c[p][0] * mul + c[p][1] * mul1 + (int)m.y;
+        const int vb = c[p][2] * mul + c[p][3] * mul1 + (int)m.y;
+        acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
+        acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
+    }
+}
+
 // NP token pairs (T ≤ 2·NP); NL: q4_nl_g128 codes (table lookup, s8 MMA).
 template <bool XS, int QP_P, int NP, bool NL>
 __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
@@ -790,43 +840,9 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
             const uint4 va4 = ca[s], vb4 = cb[s];
             const float qa = f16_to_f32((u16)da[s]), qb = f16_to_f32((u16)db[s]);
             int c[NP][4];
-#pragma unroll
-            for (int p = 0; p < NP; p++) c[p][0] = c[p][1] = c[p][2] = c[p][3] = 0;
-#pragma unroll
-            for (int wd = 0; wd < 4; wd++) {
-                const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
-                u32 a0, a1, a2, a3;
-                if (NL) {
-                    a0 = q4nl_lookup4(va);
-                    a1 = q4nl_lookup4(vb);
-                    a2 = q4nl_lookup4(va >> 16);
-                    a3 = q4nl_lookup4(vb >> 16);
-                } else {
-                    a0 = va & 0x0f0f0f0fu;
-                    a1 = vb & 0x0f0f0f0fu;
-                    a2 = (va >> 4) & 0x0f0f0f0fu;
-                    a3 = (vb >> 4) & 0x0f0f0f0fu;
-                }
-#pragma unroll
-                for (int p = 0; p < NP; p++) {
-                    const uint2 b = (xg + xoff[p])[wd * 12];
-                    if (NL) {
-                        qi_mma_s8(c[p], a0, a1, a2, a3, b.x, b.y);
-                    } else {
-                        qi_mma(c[p], a0, a1, a2, a3, b.x, b.y);
-                    }
-                }
-            }
+            qc_item_mmas<NP, NL>(va4, vb4, xg, xoff, c);
             load(s);  // refill this stage once its codes are unpacked (see q4i8p_body)
-#pragma unroll
-            for (int p = 0; p < NP; p++) {
-                const uint2 m = *(xg + moff[p]);
-                const float xsc = __uint_as_float(m.x);
-                const int va = c[p][0] * mul + c[p][1] * mul1 + (int)m.y;
-                const int vb = c[p][2] * mul + c[p][3] * mul1 + (int)m.y;
-                acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
-                acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
-            }
+            qc_item_acc<NP>(c, xg, moff, mul, mul1, qa, qb, acc);
             xg += QC_U4 * 2;
             if (++cg == NG || j0 + s + 1 == total) {
                 const u32 tfirst = ct * NG;
@@ -939,23 +955,6 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(
 #define QT_GW 8
 #define QT_THREADS ((2 * QT_GW + 1) * 32)
 
-__device__ __forceinline__ u32 qt_smem(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void qt_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
 // Ring slots are per group (S even): the j-th stage of group grp (the stages of its tiles, in
 // order) takes slot 2·(j % (S/2)) + grp in round j / (S/2). A slot shared by both groups would let
 // a group wait for a round two phases ahead of the barrier (the other group's stage between them
@@ -1002,7 +1001,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const u32 t1 = (u32)((u64)(blockIdx.x + 1) * tiles / gridDim.x);
     const u32 per = NG * QC_U4;
     const u32 tstride = XS ? per + 1u : per;
-    const u32 bars = qt_smem(qt_sm);  // full[i] at bars + 8i, empty[i] at bars + 8(S + i)
+    const u32 bars = smem_u32(qt_sm);  // full[i] at bars + 8i, empty[i] at bars + 8(S + i)
     float* red = (float*)(qt_sm + 16 * S);
     uint4* xs = (uint4*)(red + 2 * 2 * QT_GW * NP * 64);
     u8* ring = qt_sm + ring_off;
@@ -1029,9 +1028,9 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
             for (u32 c = 0; c < NCH; c++) {
                 const u32 j = (tl >> 1) * NCH + c;
                 const u32 slot = qt_slot(j, tl & 1u, S), round = qt_round(j, S);
-                if (round > 0) qt_wait(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
+                if (round > 0) mbar_wait_parity(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
                 const u32 full = bars + 8u * slot;
-                const u32 st = qt_smem(ring + (u64)slot * stage_bytes);
+                const u32 st = smem_u32(ring + (u64)slot * stage_bytes);
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
                              "r"(rows * CB + sb)
                              : "memory");
@@ -1051,7 +1050,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     if (XS) {
         for (int t = 0; t < T; t++) {
             for (u32 i = threadIdx.x; i < per; i += 2 * QT_GW * 32) {
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(qt_smem(xs + t * tstride + i)),
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(xs + t * tstride + i)),
                              "l"(xf + (u64)t * per + i)
                              : "memory");
             }
@@ -1082,7 +1081,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
         for (u32 c = 0; c < NCH; c++) {
             const u32 j = (tl >> 1) * NCH + c;
             const u32 slot = qt_slot(j, (u32)grp, S);
-            qt_wait(bars + 8u * slot, qt_round(j, S) & 1u);
+            mbar_wait_parity(bars + 8u * slot, qt_round(j, S) & 1u);
             const u8* st = ring + (u64)slot * stage_bytes;
             // Two items in flight per warp (the MMA chains of one item are serial).
 #pragma unroll 2
@@ -1093,42 +1092,8 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
                 const float qb = f16_to_f32(*(const u16*)(st + osb + gi * 2));
                 const uint2* xg = x2 + gi * (QC_U4 * 2);
                 int cc[NP][4];
-#pragma unroll
-                for (int p = 0; p < NP; p++) cc[p][0] = cc[p][1] = cc[p][2] = cc[p][3] = 0;
-#pragma unroll
-                for (int wd = 0; wd < 4; wd++) {
-                    const u32 va = qm_word(va4, wd), vb = qm_word(vb4, wd);
-                    u32 a0, a1, a2, a3;
-                    if (NL) {
-                        a0 = q4nl_lookup4(va);
-                        a1 = q4nl_lookup4(vb);
-                        a2 = q4nl_lookup4(va >> 16);
-                        a3 = q4nl_lookup4(vb >> 16);
-                    } else {
-                        a0 = va & 0x0f0f0f0fu;
-                        a1 = vb & 0x0f0f0f0fu;
-                        a2 = (va >> 4) & 0x0f0f0f0fu;
-                        a3 = (vb >> 4) & 0x0f0f0f0fu;
-                    }
-#pragma unroll
-                    for (int p = 0; p < NP; p++) {
-                        const uint2 b = (xg + xoff[p])[wd * 12];
-                        if (NL) {
-                            qi_mma_s8(cc[p], a0, a1, a2, a3, b.x, b.y);
-                        } else {
-                            qi_mma(cc[p], a0, a1, a2, a3, b.x, b.y);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int p = 0; p < NP; p++) {
-                    const uint2 m = *(xg + moff[p]);
-                    const float xsc = __uint_as_float(m.x);
-                    const int va = cc[p][0] * mul + cc[p][1] * mul1 + (int)m.y;
-                    const int vb = cc[p][2] * mul + cc[p][3] * mul1 + (int)m.y;
-                    acc[p][0] = fmaf(__int2float_rn(va), __fmul_rn(xsc, qa), acc[p][0]);
-                    acc[p][1] = fmaf(__int2float_rn(vb), __fmul_rn(xsc, qb), acc[p][1]);
-                }
+                qc_item_mmas<NP, NL>(va4, vb4, xg, xoff, cc);
+                qc_item_acc<NP>(cc, xg, moff, mul, mul1, qa, qb, acc);
             }
             // This warp has read its part of the stage: release the slot once the group's 8 have.
             __syncwarp();

@@ -70,6 +70,30 @@ impl Q4GemvState {
     }
 }
 
+/// Lets kernel `name` (`f`) take `bytes` of dynamic shared memory (the opt-in beyond 48 KiB),
+/// once: bit `bit` of `done` records it (the q4 GEMV launchers' per-build masks in
+/// [`Q4GemvState`]). A refusal is a capability error naming the kernel.
+pub(crate) fn reserve_smem_once(
+    f: &cudarc::driver::CudaFunction,
+    name: &'static str,
+    bytes: usize,
+    done: &AtomicU32,
+    bit: u32,
+) -> Result<(), OpError> {
+    if done.load(Ordering::Relaxed) & bit != 0 {
+        return Ok(());
+    }
+    crate::launch::allow_dynamic_smem(f, bytes).map_err(|r| {
+        OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
+            "cuda",
+            name,
+            format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
+        ))
+    })?;
+    done.fetch_or(bit, Ordering::Relaxed);
+    Ok(())
+}
+
 /// The path an environment value selects (unset or unknown: [`Q4Gemv::Auto`]).
 fn selects(v: Option<&str>) -> Q4Gemv {
     match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {

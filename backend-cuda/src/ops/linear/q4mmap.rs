@@ -10,11 +10,10 @@
 //! of the SM count and the build only; T and the x staging (`_xs`: x fragments in shared memory
 //! when they fit) only decide where x is read from, never the arithmetic of an output.
 
-use crate::launch::{allow_dynamic_smem, args};
+use crate::launch::args;
 use crate::{CudaBackend, CudaTensor, DeviceAlloc};
 use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Warps per block (`QM_WARPS` in gemv_mma.cu).
@@ -325,16 +324,9 @@ impl CudaBackend {
             .iter()
             .position(|&s| s == name)
             .map_or(0, |i| 1u32 << i);
-        if smem > 0 && self.q4_gemv.xs_reserved.load(Ordering::Relaxed) & bit == 0 {
+        if smem > 0 {
             let bytes = staged_limit(self.max_smem_optin, per_sm);
-            allow_dynamic_smem(f, bytes).map_err(|r| {
-                OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
-                    "cuda",
-                    name,
-                    format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
-                ))
-            })?;
-            self.q4_gemv.xs_reserved.fetch_or(bit, Ordering::Relaxed);
+            super::q4mma::reserve_smem_once(f, name, bytes, &self.q4_gemv.xs_reserved, bit)?;
         }
         let cfg = LaunchConfig {
             grid_dim: (plan.blocks, 1, 1),

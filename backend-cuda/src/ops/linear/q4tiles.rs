@@ -11,7 +11,7 @@
 //! a function of N and K only).
 
 use super::q4mmap::MmapKind;
-use crate::launch::{allow_dynamic_smem, args};
+use crate::launch::args;
 use crate::{CudaBackend, CudaTensor};
 use cudarc::driver::LaunchConfig;
 use kvstream_memory_contracts::error::OpError;
@@ -305,18 +305,13 @@ impl CudaBackend {
             OpError::shape("gemv_q4_tiles", format!("no tile build for {kind:?}"))
         })?;
         let f = self.func(name)?;
-        let bit = reservation_bit(name);
-        if self.q4_gemv.tiles_reserved.load(Ordering::Relaxed) & bit == 0 {
-            let bytes = block_budget(self.max_smem_optin);
-            allow_dynamic_smem(f, bytes).map_err(|r| {
-                OpError::Capability(kvstream_memory_contracts::CapabilityError::new(
-                    "cuda",
-                    name,
-                    format!("cannot reserve {bytes} bytes of shared memory: {r:?}"),
-                ))
-            })?;
-            self.q4_gemv.tiles_reserved.fetch_or(bit, Ordering::Relaxed);
-        }
+        super::q4mma::reserve_smem_once(
+            f,
+            name,
+            block_budget(self.max_smem_optin),
+            &self.q4_gemv.tiles_reserved,
+            reservation_bit(name),
+        )?;
         let cfg = LaunchConfig {
             grid_dim: (plan.blocks, 1, 1),
             block_dim: (THREADS as u32, 1, 1),
