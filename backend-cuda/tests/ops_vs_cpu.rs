@@ -3,7 +3,7 @@
 
 use half::f16;
 use kvstream_backend_cpu::CpuBackend;
-use kvstream_backend_cuda::{CudaBackend, PrefillGemm, Q4Gemv, Q4Tiles, GEMM_ENV};
+use kvstream_backend_cuda::{CudaBackend, CudaWeight, PrefillGemm, Q4Gemv, Q4Tiles, GEMM_ENV};
 use kvstream_memory_contracts::backend::WeightDType;
 use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
@@ -496,6 +496,29 @@ fn wide_range_x(rng: &mut StdRng, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The GPU GEMV of 8 rows `x` by `wg` within the f32-x bound of the CPU's `c` (`wd`: the
+/// dequantised weight), and every row of a T-row call bit-identical to the same row alone.
+#[allow(clippy::too_many_arguments)]
+fn check_gemv_rows(
+    p: &Pair,
+    what: &str,
+    wg: &CudaWeight,
+    x: &[f32],
+    c: &[f32],
+    wd: &[f32],
+    n: usize,
+    k: usize,
+) {
+    let run = |rows: &[f32], t: usize| -> Vec<f32> {
+        let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
+        let y = p.gpu.matmul(&xg, wg).expect("gemv");
+        p.gpu.tensor_to_f32(&y).expect("y")
+    };
+    let full = run(x, 8);
+    check_gemm(what, &full, c, x, wd, 8, n, k, f32_bound);
+    assert_rows_independent_of_width(what, n, k, x, &full, run);
+}
+
 /// Every q4_g128 and q4_nl_g128 decode GEMV path (SIMT, the persistent tensor-core kernels with x
 /// staged in shared memory for small T·K and read from global memory else, and the default Auto):
 /// within 1e-4 of Σ|w·x| of
@@ -516,6 +539,11 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
         let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
         let (wc, wg) = p.w(&w, &[n, k], dt);
         let x = wide_range_x(&mut rng, 8 * k);
+        let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
+        let c = p
+            .cpu
+            .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
+            .expect("y cpu");
         for path in [
             Q4Gemv::Simt,
             Q4Gemv::MmaPersistent,
@@ -524,20 +552,8 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
             Q4Gemv::Auto,
         ] {
             p.gpu.set_q4_gemv(path);
-            let run = |rows: &[f32], t: usize| -> Vec<f32> {
-                let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
-                let y = p.gpu.matmul(&xg, &wg).expect("gemv");
-                p.gpu.tensor_to_f32(&y).expect("y")
-            };
-            let full = run(&x, 8);
-            let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
-            let c = p
-                .cpu
-                .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
-                .expect("y cpu");
             let what = format!("{dt} {path:?} [{n}x{k}]");
-            check_gemm(&what, &full, &c, &x, &wd, 8, n, k, f32_bound);
-            assert_rows_independent_of_width(&what, n, k, &x, &full, run);
+            check_gemv_rows(&p, &what, &wg, &x, &c, &wd, n, k);
         }
     }
     p.gpu.set_q4_gemv(Q4Gemv::Auto);
@@ -563,6 +579,8 @@ fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
         (5120, 6144),
         (16384, 5120),
         (34816, 5120),
+        (1001, 17408),
+        (5120, 17408),
     ];
     for (dt, (n, k)) in [WeightDType::Q4G128, WeightDType::Q4NlG128]
         .into_iter()
@@ -580,15 +598,8 @@ fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
         p.gpu.set_q4_gemv(Q4Gemv::Auto);
         for tiles in [Q4Tiles::On, Q4Tiles::Off] {
             p.gpu.set_q4_tiles(tiles);
-            let run = |rows: &[f32], t: usize| -> Vec<f32> {
-                let xg = p.gpu.tensor_from_f32(rows, &[t, k]).expect("x");
-                let y = p.gpu.matmul(&xg, &wg).expect("gemv");
-                p.gpu.tensor_to_f32(&y).expect("y")
-            };
-            let full = run(&x, 8);
             let what = format!("{dt} tiles {tiles:?} [{n}x{k}]");
-            check_gemm(&what, &full, &c, &x, &wd, 8, n, k, f32_bound);
-            assert_rows_independent_of_width(&what, n, k, &x, &full, run);
+            check_gemv_rows(&p, &what, &wg, &x, &c, &wd, n, k);
         }
     }
     p.gpu.set_q4_tiles(Q4Tiles::Off);

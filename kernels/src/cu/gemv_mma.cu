@@ -703,6 +703,23 @@ __device__ __forceinline__ void qc_arrive(u32 ct, u32 NG, u32 W, u32 work, u32 g
     sk_finished(&counters[ct], lane);
 }
 
+// Lane constants of the column-packed kernels: uint2 offsets (from a group's block of token 0) of
+// lane (g, tq)'s B fragments and metadata per token pair (dead tokens read token 0), and its
+// (mul, mul1) (see the layout above). They pass through qc_keep: otherwise NVRTC recomputes them
+// from %tid in every item (seen in the SASS).
+template <int NP>
+__device__ __forceinline__ void qc_lane_offsets(int g, int tq, int T, u32 tstride, u32* xoff, u32* moff, int& mul,
+                                                int& mul1) {
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        const int tb = 2 * p + (g >> 2), tm = 2 * p + (tq >> 1);
+        xoff[p] = qc_keep((u32)(tb < T ? tb : 0) * tstride * 2 + ((g & 3) == 3 ? 0 : (g & 3)) * 4 + tq);
+        moff[p] = qc_keep((u32)(tm < T ? tm : 0) * tstride * 2 + 48 + (tq & 1));
+    }
+    mul = (int)qc_keep((tq & 1) ? 1u : 256u);
+    mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
+}
+
 // One item of the column-packed kernels (`gemv_q4i8c*`, `gemv_q4i8t*`), in two halves so the
 // stream-K kernel can refill its register ring between them: the MMAs of the item's four code
 // words (codes of rows g, g + 8 in va4, vb4; x fragments of the group at xg) into c, then the
@@ -772,18 +789,9 @@ __device__ __forceinline__ void q4i8c_body(const uint4* __restrict__ xf, const u
     const u32 i0 = qp_start(gw, W, work), i1 = qp_start(gw + 1, W, work);
     const u32 first_tile = i0 / NG;
     const uint2* x2 = (const uint2*)(XS ? (const uint4*)qp_xs : xf);
-    // uint2 offsets (from a group's block of token 0) of this lane's B fragments and metadata, per
-    // pair. Lane constants pass through qc_keep: otherwise NVRTC recomputes them from %tid in
-    // every item (seen in the SASS).
     u32 xoff[NP], moff[NP];
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        const int tb = 2 * p + (g >> 2), tm = 2 * p + (tq >> 1);
-        xoff[p] = qc_keep((u32)(tb < T ? tb : 0) * tstride * 2 + ((g & 3) == 3 ? 0 : (g & 3)) * 4 + tq);
-        moff[p] = qc_keep((u32)(tm < T ? tm : 0) * tstride * 2 + 48 + (tq & 1));
-    }
-    const int mul = (int)qc_keep((tq & 1) ? 1u : 256u);
-    const int mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
+    int mul, mul1;
+    qc_lane_offsets<NP>(g, tq, T, tstride, xoff, moff, mul, mul1);
 
     u32 lt = first_tile, lg = i0 % NG;
     const u8* pa = w;
@@ -1062,14 +1070,8 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const int g = lane >> 2, tq = lane & 3;
     const uint2* x2 = (const uint2*)(XS ? (const uint4*)xs : xf);
     u32 xoff[NP], moff[NP];
-#pragma unroll
-    for (int p = 0; p < NP; p++) {
-        const int tb = 2 * p + (g >> 2), tm = 2 * p + (tq >> 1);
-        xoff[p] = qc_keep((u32)(tb < T ? tb : 0) * tstride * 2 + ((g & 3) == 3 ? 0 : (g & 3)) * 4 + tq);
-        moff[p] = qc_keep((u32)(tm < T ? tm : 0) * tstride * 2 + 48 + (tq & 1));
-    }
-    const int mul = (int)qc_keep((tq & 1) ? 1u : 256u);
-    const int mul1 = (int)qc_keep((tq & 1) ? 0u : 1u);
+    int mul, mul1;
+    qc_lane_offsets<NP>(g, tq, T, tstride, xoff, moff, mul, mul1);
     // This lane's bytes of a stage at its first group: codes of rows g and g + 8, their scales.
     const u32 offa = (u32)g * CB + (u32)tq * 16, offb = offa + 8 * CB;
     const u32 osa = 16 * CB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;

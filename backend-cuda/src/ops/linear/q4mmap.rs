@@ -337,10 +337,21 @@ impl CudaBackend {
         let (t32, k64, n64) = (t as i32, k as u64, n as u64);
         let (sp, cp) = (scratch.ptr(), counters.ptr());
         let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &sp, &cp];
+        self.launch_q4_gemv(f, cfg, &mut a)
+    }
+
+    /// Launches a q4 tensor-core GEMV: as a programmatic dependent of the kernel before it (its
+    /// x prep or the producer of x) unless [`Q4_PDL_ENV`] turns that off.
+    pub(crate) fn launch_q4_gemv(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), OpError> {
         if dependent_launch() {
-            self.launch_dependent("gemv", f, cfg, &mut a)
+            self.launch_dependent("gemv", f, cfg, args)
         } else {
-            self.launch("gemv", f, cfg, &mut a)
+            self.launch("gemv", f, cfg, args)
         }
     }
 
@@ -370,7 +381,7 @@ pub const Q4_PDL_ENV: &str = "KVSTREAM_Q4_PDL";
 
 /// Whether the GEMV launches as a programmatic dependent of its x-prep kernel: its blocks start
 /// while x-prep runs and stream their first weights before `griddepcontrol.wait` (gemv_mma.cu).
-pub(crate) fn dependent_launch() -> bool {
+fn dependent_launch() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var(Q4_PDL_ENV).map_or(true, |v| v != "0"))
 }

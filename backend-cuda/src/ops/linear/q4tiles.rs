@@ -326,11 +326,7 @@ impl CudaBackend {
             plan.chunk,
         );
         let mut a = args![&xfp, &w_ptr, &yp, &t32, &k64, &n64, &soff, &s32, &roff, &sb, &ch];
-        if super::q4mmap::dependent_launch() {
-            self.launch_dependent("gemv", f, cfg, &mut a)
-        } else {
-            self.launch("gemv", f, cfg, &mut a)
-        }
+        self.launch_q4_gemv(f, cfg, &mut a)
     }
 }
 
