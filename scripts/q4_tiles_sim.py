@@ -59,16 +59,19 @@ def new_mapping(tl, c, nch, s):
 
 
 def old_mapping(tl, c, nch, s):
-    """The first version's: slot by block stage index, shared by both groups."""
+    """The first version's: slot by block stage index, shared by both groups. Also QT_SHARE=1's
+    mapping (qt_place), where every warp of both groups reads every stage."""
     i = tl * nch + c
     return i % s, i // s
 
 
-def run(tiles, nch, s, mapping, rng):
+def run(tiles, nch, s, mapping, rng, share=False):
     """One block: `tiles` tiles of `nch` stages each; every stage lands as two copies (codes and
-    scales, or a row's codes and the scales: each completes part of the bytes)."""
+    scales, or a row's codes and the scales: each completes part of the bytes). `share`: QT_SHARE=1,
+    both groups' warps read every stage (empty[] counts all of them)."""
+    per_stage = 2 * WARPS if share else WARPS
     full = [Barrier(1) for _ in range(s)]
-    empty = [Barrier(WARPS) for _ in range(s)]
+    empty = [Barrier(per_stage) for _ in range(s)]
     data = [[None, None] for _ in range(s)]  # what each part of a slot holds
     in_flight = []  # (slot, part, stage) copies issued, not landed
     stages = [(tl, c) for tl in range(tiles) for c in range(nch)]
@@ -76,7 +79,7 @@ def run(tiles, nch, s, mapping, rng):
     # Consumer warp: its group's stages in order; phase "wait" | "read" | "arrive".
     cons = []
     for grp in range(2):
-        mine = [st for st in stages if st[0] % 2 == grp]
+        mine = stages if share else [st for st in stages if st[0] % 2 == grp]
         for w in range(WARPS):
             cons.append({"grp": grp, "w": w, "todo": mine, "i": 0, "phase": "wait"})
     consumed = {}
@@ -139,18 +142,18 @@ def run(tiles, nch, s, mapping, rng):
             arg["i"] += 1
             arg["phase"] = "wait"
     for st in stages:
-        if consumed.get(st) != WARPS:
+        if consumed.get(st) != per_stage:
             raise AssertionError(f"stage {st} consumed by {consumed.get(st)} warps")
 
 
-def check(mapping, stages, seeds):
+def check(mapping, stages, seeds, share=False):
     for s in stages:
         for nch in (1, 2, 3):
             for tiles in range(1, 13):
                 for seed in range(seeds):
                     rng = random.Random(seed * 1000 + tiles * 31 + s * 7 + nch)
                     try:
-                        run(tiles, nch, s, mapping, rng)
+                        run(tiles, nch, s, mapping, rng, share)
                     except AssertionError as e:
                         return f"S={s} stages per tile={nch} tiles={tiles} seed={seed}: {e}"
     return None
@@ -163,6 +166,11 @@ def main():
         return 1
     print("q4 tiles ring: per-group slots, S in {2, 4, 6}, 1..3 stages per tile, 1..12 tiles, 60 "
           "schedules each: ok")
+    bad = check(old_mapping, [2, 3, 4], 60, share=True)
+    if bad:
+        print(f"q4 tiles ring (QT_SHARE=1): VIOLATION {bad}")
+        return 1
+    print("q4 tiles ring (QT_SHARE=1): one sequence of slots read by both groups, S in {2, 3, 4}: ok")
     caught = check(old_mapping, [3], 60)
     if not caught:
         print("q4 tiles ring: self-test FAILED: the shared-slot mapping (S = 3) passed")

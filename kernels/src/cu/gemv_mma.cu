@@ -972,6 +972,30 @@ extern "C" __launch_bounds__(QM_WARPS * 32, 2) __global__ void gemv_q4nli8c4_xs(
 __device__ __forceinline__ u32 qt_slot(u32 j, u32 grp, int S) { return 2u * (j % ((u32)S >> 1)) + grp; }
 __device__ __forceinline__ u32 qt_round(u32 j, int S) { return j / ((u32)S >> 1); }
 
+// QT_SHARE=1 (A/B define, off by default): both groups read every stage — all 16 consumer warps
+// share each tile (warp w takes the stage's groups w, w + 16, …) and the 16 pair sums meet per
+// tile — so a block's last tile is not one group's alone (a block of 3 tiles: 1.5 tiles' compute
+// per warp instead of 2). The ring is then one sequence: the block's i-th stage takes slot i % S
+// in round i / S, and a slot is empty after all 16 warps' arrivals (each warp waits for every
+// stage in order, so no wait can run two phases ahead; scripts/q4_tiles_sim.py checks it).
+#ifndef QT_SHARE
+#define QT_SHARE 0
+#endif
+#define QT_CW (QT_SHARE ? 2 * QT_GW : QT_GW)  // consumer warps per tile (and empty[] arrivals)
+
+// Slot and round of stage c of the block's tile tl (`nch` stages per tile).
+__device__ __forceinline__ void qt_place(u32 tl, u32 c, u32 nch, int S, u32& slot, u32& round) {
+    if (QT_SHARE) {
+        const u32 i = tl * nch + c;
+        slot = i % (u32)S;
+        round = i / (u32)S;
+    } else {
+        const u32 j = (tl >> 1) * nch + c;
+        slot = qt_slot(j, tl & 1u, S);
+        round = qt_round(j, S);
+    }
+}
+
 // `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), counted on the
 // mbarrier at `bar`.
 __device__ __forceinline__ void qt_bulk(u32 dst, const u8* src, u32 bytes, u32 bar) {
@@ -1016,7 +1040,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     if (threadIdx.x == 0) {
         for (int i = 0; i < S; i++) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8u * i) : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bars + 8u * (S + i)), "n"(QT_GW)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bars + 8u * (S + i)), "n"(QT_CW)
                          : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1034,8 +1058,8 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
             const u32 rows = (u32)min((u64)16, N - row0);
             const u32 sb = rows * NG * 2;
             for (u32 c = 0; c < NCH; c++) {
-                const u32 j = (tl >> 1) * NCH + c;
-                const u32 slot = qt_slot(j, tl & 1u, S), round = qt_round(j, S);
+                u32 slot, round;
+                qt_place(tl, c, NCH, S, slot, round);
                 if (round > 0) mbar_wait_parity(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
                 const u32 full = bars + 8u * slot;
                 const u32 st = smem_u32(ring + (u64)slot * stage_bytes);
@@ -1066,7 +1090,8 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
         asm volatile("cp.async.wait_all;" ::: "memory");
         qt_consumers_sync();
     }
-    const int grp = warp / QT_GW, wi = warp % QT_GW;
+    // QT_SHARE: one "group" of all 16 consumer warps.
+    const int grp = QT_SHARE ? 0 : warp / QT_GW, wi = QT_SHARE ? warp : warp % QT_GW;
     const int g = lane >> 2, tq = lane & 3;
     const uint2* x2 = (const uint2*)(XS ? (const uint4*)xs : xf);
     u32 xoff[NP], moff[NP];
@@ -1076,18 +1101,18 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const u32 offa = (u32)g * CB + (u32)tq * 16, offb = offa + 8 * CB;
     const u32 osa = 16 * CB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
 
-    for (u32 tl = (u32)grp; t0 + tl < t1; tl += 2) {
+    for (u32 tl = (u32)grp; t0 + tl < t1; tl += QT_SHARE ? 1 : 2) {
         float acc[NP][2];
 #pragma unroll
         for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
         for (u32 c = 0; c < NCH; c++) {
-            const u32 j = (tl >> 1) * NCH + c;
-            const u32 slot = qt_slot(j, (u32)grp, S);
-            mbar_wait_parity(bars + 8u * slot, qt_round(j, S) & 1u);
+            u32 slot, round;
+            qt_place(tl, c, NCH, S, slot, round);
+            mbar_wait_parity(bars + 8u * slot, round & 1u);
             const u8* st = ring + (u64)slot * stage_bytes;
             // Two items in flight per warp (the MMA chains of one item are serial).
 #pragma unroll 2
-            for (u32 gl = (u32)wi; gl < chunk; gl += QT_GW) {
+            for (u32 gl = (u32)wi; gl < chunk; gl += QT_CW) {
                 const u32 gi = c * chunk + gl;
                 const uint4 va4 = *(const uint4*)(st + offa + gl * 64), vb4 = *(const uint4*)(st + offb + gl * 64);
                 const float qa = f16_to_f32(*(const u16*)(st + osa + gi * 2));
@@ -1097,31 +1122,37 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
                 qc_item_mmas<NP, NL>(va4, vb4, xg, xoff, cc);
                 qc_item_acc<NP>(cc, xg, moff, mul, mul1, qa, qb, acc);
             }
-            // This warp has read its part of the stage: release the slot once the group's 8 have.
+            // This warp has read its part of the stage: release the slot once the tile's QT_CW have.
             __syncwarp();
             if (lane == 0) {
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bars + 8u * ((u32)S + slot))
                              : "memory");
             }
         }
-        // The group's pair sums meet; warp (tl / 2) % 8 adds them in warp order and stores.
-        const u32 k = tl >> 1;
+        // The tile's QT_CW pair sums meet; warp k % QT_CW (k: the tile's index among this group's)
+        // adds them in warp order and stores. (QT_SHARE: the 16 warps' buffers [2][16] fill the
+        // same bytes as the groups' [2 groups][2][8].)
+        const u32 k = QT_SHARE ? tl : tl >> 1;
         float v[NP][2];
         qc_pair_sums<NP>(acc, v);
-        float* part = red + ((u32)(grp * 2) + (k & 1u)) * QT_GW * (NP * 64);
+        float* part = red + ((u32)(grp * 2) + (k & 1u)) * QT_CW * (NP * 64);
 #pragma unroll
         for (int p = 0; p < NP; p++)
 #pragma unroll
             for (int i = 0; i < 2; i++) part[wi * (NP * 64) + (p * 2 + i) * 32 + lane] = v[p][i];
-        qt_group_sync(grp);
-        if ((u32)wi == k % QT_GW) {
+        if (QT_SHARE) {
+            qt_consumers_sync();
+        } else {
+            qt_group_sync(grp);
+        }
+        if ((u32)wi == k % QT_CW) {
             float sum[NP][2];
 #pragma unroll
             for (int p = 0; p < NP; p++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     float a = part[(p * 2 + i) * 32 + lane];
-                    for (int q = 1; q < QT_GW; q++) a += part[q * (NP * 64) + (p * 2 + i) * 32 + lane];
+                    for (int q = 1; q < QT_CW; q++) a += part[q * (NP * 64) + (p * 2 + i) * 32 + lane];
                     sum[p][i] = a;
                 }
             qc_store<NP>(sum, t0 + tl, g, tq, T, N, y);
