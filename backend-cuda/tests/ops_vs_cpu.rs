@@ -496,6 +496,27 @@ fn wide_range_x(rng: &mut StdRng, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// One q4 GEMV case of `[n, k]`: heavy-tailed weights on the GPU, their dequantised values, a
+/// wide-range x of 8 rows and the CPU product `x · wᵀ` (computed once, for every path checked).
+fn q4_case(
+    p: &Pair,
+    rng: &mut StdRng,
+    dt: WeightDType,
+    n: usize,
+    k: usize,
+) -> (CudaWeight, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let w = heavy(rng, n * k, 0.5);
+    let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
+    let (wc, wg) = p.w(&w, &[n, k], dt);
+    let x = wide_range_x(rng, 8 * k);
+    let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
+    let c = p
+        .cpu
+        .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
+        .expect("y cpu");
+    (wg, wd, x, c)
+}
+
 /// The GPU GEMV of 8 rows `x` by `wg` within the f32-x bound of the CPU's `c` (`wd`: the
 /// dequantised weight), and every row of a T-row call bit-identical to the same row alone.
 #[allow(clippy::too_many_arguments)]
@@ -535,15 +556,7 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
         .into_iter()
         .flat_map(|dt| cases.into_iter().map(move |c| (dt, c)))
     {
-        let w = heavy(&mut rng, n * k, 0.5);
-        let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
-        let (wc, wg) = p.w(&w, &[n, k], dt);
-        let x = wide_range_x(&mut rng, 8 * k);
-        let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
-        let c = p
-            .cpu
-            .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
-            .expect("y cpu");
+        let (wg, wd, x, c) = q4_case(&p, &mut rng, dt, n, k);
         for path in [
             Q4Gemv::Simt,
             Q4Gemv::MmaPersistent,
@@ -586,15 +599,7 @@ fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
         .into_iter()
         .flat_map(|dt| cases.into_iter().map(move |c| (dt, c)))
     {
-        let w = heavy(&mut rng, n * k, 0.5);
-        let wd = deq(dt, &weight_bytes(&w, &[n, k], dt), &[n, k]);
-        let (wc, wg) = p.w(&w, &[n, k], dt);
-        let x = wide_range_x(&mut rng, 8 * k);
-        let xc = p.cpu.tensor_from_f32(&x, &[8, k]).expect("x cpu");
-        let c = p
-            .cpu
-            .tensor_to_f32(&p.cpu.matmul(&xc, &wc).expect("cpu"))
-            .expect("y cpu");
+        let (wg, wd, x, c) = q4_case(&p, &mut rng, dt, n, k);
         p.gpu.set_q4_gemv(Q4Gemv::Auto);
         for tiles in [Q4Tiles::On, Q4Tiles::Off] {
             p.gpu.set_q4_tiles(tiles);
