@@ -27,7 +27,7 @@ use kvstream_memory_contracts::backend::DeviceTensor;
 use kvstream_memory_contracts::error::{AttentionError, CapabilityError, OpError};
 use kvstream_memory_contracts::kv::format::KvType;
 use kvstream_memory_contracts::kv::geometry::PageGeometry;
-use kvstream_memory_contracts::kv::span::{SpanPlan, SpanSource};
+use kvstream_memory_contracts::kv::span::SpanPlan;
 use std::sync::OnceLock;
 
 /// Most splits of one evaluation (the finish kernel keeps one weight per split).
@@ -248,22 +248,6 @@ static TMA_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicU
 fn tma_copies() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::compile::define_on("FA_TMA", true))
-}
-
-/// Environment switch: `1` launches the tensor-core accumulate over resident spans, and the
-/// finish, as programmatic dependents of the kernel before them (sm_90+): their blocks are placed
-/// while that kernel drains and wait in `griddepcontrol.wait` before touching memory, so the
-/// launch gap hides behind its tail; the accumulate triggers its dependents at block start.
-/// Ring spans always launch normally (their copy-stream `ready` fence stays a full dependency).
-/// Unset or `0`: normal launches ([`ATTN_PDL_DEFAULT`]).
-pub const ATTN_PDL_ENV: &str = "KVSTREAM_PDL_ATTN";
-
-/// Whether [`ATTN_PDL_ENV`] is on when unset (off until measured on a GPU).
-pub const ATTN_PDL_DEFAULT: bool = false;
-
-fn attn_pdl() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var(ATTN_PDL_ENV).map_or(ATTN_PDL_DEFAULT, |v| v.trim() != "0"))
 }
 
 fn force_generic() -> bool {
@@ -528,7 +512,6 @@ impl CudaBackend {
         let (qp, pp, sp) = (q.ptr(), pool.ptr(), state.ptr());
         let (ns, qt) = (splits.count as i32, cfg.qt as i32);
         let tma = tma_copies() && self.arch_at_least(90);
-        let pdl = attn_pdl() && self.arch_at_least(90);
         for span in plan.spans() {
             let vec = copy_width(pp + span.offset as u64, g);
             let (off, first, count) = (
@@ -547,12 +530,7 @@ impl CudaBackend {
             }
             let mut a =
                 args![&qp, &pp, &sp, &geo, &off, &first, &count, &ns, &vec, &qt, &tk, &tv, &tm];
-            if pdl && matches!(span.source, SpanSource::Resident { .. }) {
-                self.launch_dependent(name, f, launch, &mut a)
-            } else {
-                self.launch(name, f, launch, &mut a)
-            }
-            .map_err(op_err)?;
+            self.launch(name, f, launch, &mut a).map_err(op_err)?;
         }
         Ok(())
     }
@@ -660,12 +638,7 @@ impl StreamedAttention for CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut a = args![&sp, &op, &ns, &w, &h, &d];
-        if attn_pdl() && self.arch_at_least(90) {
-            self.launch_dependent("attn_finish", f, cfg, &mut a)
-        } else {
-            self.launch("attn_finish", f, cfg, &mut a)
-        }
-        .map_err(op_err)?;
+        self.launch("attn_finish", f, cfg, &mut a).map_err(op_err)?;
         Ok(out)
     }
 }

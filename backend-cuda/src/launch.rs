@@ -173,8 +173,7 @@ impl CudaBackend {
     /// kernel may start while the previous kernel on the stream is still running (once that one
     /// executes `griddepcontrol.launch_dependents`, or when it finishes), and must execute
     /// `griddepcontrol.wait` before it touches anything that kernel writes. Only for kernels built
-    /// for it (the q4 tensor-core GEMVs after their x-prep kernel, the x-prep producers, and the
-    /// attention kernels under `KVSTREAM_PDL_ATTN`).
+    /// for it (the q4 tensor-core GEMVs after their x-prep kernel).
     pub(crate) fn launch_dependent(
         &self,
         op: &'static str,

@@ -425,12 +425,6 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    // Programmatic dependent launch (KVSTREAM_PDL_ATTN, backend-cuda/src/attention.rs): launched
-    // as a dependent, this block was placed while the kernel before it drained; nothing global is
-    // touched before that kernel has completed (no-ops for a normal launch). The trigger lets a
-    // dependent after this kernel (attn_finish, the next span's launch) be placed as blocks exit.
-    grid_dependency_wait();
-    grid_launch_dependents();
 
     // This split's chunks inside the span [span_first, end): cfirst, cfirst + n_splits, ... < chi.
     // span_first is 64-aligned (a page boundary; pages hold a power of two >= 64 tokens), so the
@@ -1033,7 +1027,6 @@ extern "C" __launch_bounds__(ATT_FINISH_DIMS * ATT_FINISH_GROUPS) __global__ voi
     __shared__ float wred[2][ATT_FINISH_GROUPS];
     const int row = blockIdx.x;  // qi * q_heads + head
     const int tid = threadIdx.x, lane = tid & 31, grp = tid >> 5;
-    grid_dependency_wait();  // launched as a dependent of the accumulate (KVSTREAM_PDL_ATTN)
     const int rowlen = head_dim + 2;
     const u64 split_stride = (u64)width * q_heads * rowlen;
     const float* base = state + (u64)row * rowlen;
