@@ -58,9 +58,10 @@ def new_mapping(tl, c, nch, s):
     return 2 * (j % (s >> 1)) + (tl & 1), j // (s >> 1)
 
 
-def old_mapping(tl, c, nch, s):
-    """The first version's: slot by block stage index, shared by both groups. Also QT_SHARE=1's
-    mapping (qt_place), where every warp of both groups reads every stage."""
+def sequential_mapping(tl, c, nch, s):
+    """Slot by the block's stage index: QT_SHARE=1's mapping (qt_place), where every warp of both
+    groups reads every stage -- and the first version's, which used it with alternate tiles per
+    group (the race the self-test must catch)."""
     i = tl * nch + c
     return i % s, i // s
 
@@ -166,12 +167,12 @@ def main():
         return 1
     print("q4 tiles ring: per-group slots, S in {2, 4, 6}, 1..3 stages per tile, 1..12 tiles, 60 "
           "schedules each: ok")
-    bad = check(old_mapping, [2, 3, 4], 60, share=True)
+    bad = check(sequential_mapping, [2, 3, 4], 60, share=True)
     if bad:
         print(f"q4 tiles ring (QT_SHARE=1): VIOLATION {bad}")
         return 1
     print("q4 tiles ring (QT_SHARE=1): one sequence of slots read by both groups, S in {2, 3, 4}: ok")
-    caught = check(old_mapping, [3], 60)
+    caught = check(sequential_mapping, [3], 60)
     if not caught:
         print("q4 tiles ring: self-test FAILED: the shared-slot mapping (S = 3) passed")
         return 1
