@@ -329,6 +329,73 @@ __device__ __forceinline__ void fa_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
 #define FA_N1_MIN_BLOCKS 3
 #endif
 
+// FA_I8QK (NVRTC define, default 0, A/B for an H200): QK on the integer tensor cores. The Q8_0
+// K values enter mma.m16n8k32.s8 as stored (no f16 conversion: 1-2 shared loads per 4 values
+// instead of 2 loads and 6 conversion instructions), and each query row is rounded once, in the
+// prologue, to 22-bit integers with a power-of-two scale 2^-E (E from the row's largest
+// |q · scale_log2|: the largest value lands in [2^21, 2^22)) split exactly into three signed
+// bytes hi·2^16 + mid·2^8 + lo: three k32 MMAs per 32-value block (hi, then mid accumulating
+// onto 256·hi, then lo) against four k16 MMAs of the f16 hi/lo split. Exact int32 per block; the
+// block's K scale and the row's 2^-E multiply in f32. The rounding depends on the row's own
+// values only, so a verification row equals the single step bit for bit and streamed == resident
+// as before. A block's 32 values are k-slots in a fixed order: the identity where the block's
+// values are 4-byte aligned in the K tile (odd blocks: rows of KHB = D/32·34 bytes, the block's
+// values at 34b + 2), rotated by 2 where they are not (even blocks: slot s holds value (s + 2) % 32,
+// so a thread's words are aligned loads and one byte permute).
+#ifndef FA_I8QK
+#define FA_I8QK 0
+#endif
+
+// D (s32x4) = A (s8 16x32, row) * B (s8 32x8, col) + C.
+__device__ __forceinline__ void fa_mma_i8(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, int c0, int c1,
+                                          int c2, int c3) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c0), "r"(c1), "r"(c2), "r"(c3));
+}
+
+// FA_I8QK: the value of Q8_0 block b that k-slot s (0..31) of its integer MMA holds.
+__device__ __forceinline__ int fa_i8_slot_value(int b, int s) { return (b & 1) ? s : ((s + 2) & 31); }
+
+// FA_I8QK: the A fragment of one Q8_0 block (`blkA`, `blkB`: the block in the K rows of tokens g
+// and g + 8 of the warp's 16) in the slot order of fa_i8_slot_value. `sel`: 0x7610 for tq = 3 (its
+// last word wraps to values 30, 31, 0, 1), else 0x3210.
+template <bool ODD>
+__device__ __forceinline__ void fa_i8_kfrag(const u8* blkA, const u8* blkB, int tq, u32 sel, u32& a0, u32& a1,
+                                            u32& a2, u32& a3) {
+    if (ODD) {  // values at blk + 2, 4-byte aligned
+        a0 = *(const u32*)(blkA + 2 + 4 * tq);
+        a1 = *(const u32*)(blkB + 2 + 4 * tq);
+        a2 = *(const u32*)(blkA + 18 + 4 * tq);
+        a3 = *(const u32*)(blkB + 18 + 4 * tq);
+    } else {  // blk 4-byte aligned: words [scale, v0 v1], [v2..v5], ..., [v30 v31, next block]
+        a0 = *(const u32*)(blkA + 4 + 4 * tq);
+        a1 = *(const u32*)(blkB + 4 + 4 * tq);
+        a2 = __byte_perm(*(const u32*)(blkA + 20 + 4 * tq), *(const u32*)blkA, sel);
+        a3 = __byte_perm(*(const u32*)(blkB + 20 + 4 * tq), *(const u32*)blkB, sel);
+    }
+}
+
+// FA_I8QK: 2^e as a float for e in [-126, 127].
+__device__ __forceinline__ float fa_pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+// FA_I8QK: the exponent E of a query row whose largest |value| is m: m · 2^E in [2^21, 2^22) for
+// normal m, at most 126 (so 2^-E stays a normal float); 0 for m = 0.
+__device__ __forceinline__ int fa_i8_row_exp(float m) {
+    if (!(m > 0.0f)) return 0;
+    const int ex = ((__float_as_int(m) >> 23) & 255) - 126;  // m in [2^(ex-1), 2^ex)
+    return min(126, 22 - ex);
+}
+
+// FA_I8QK: v = hi·2^16 + mid·2^8 + lo with three signed bytes (|v| <= 2^22).
+__device__ __forceinline__ void fa_i8_split(int v, int& hi, int& mid, int& lo) {
+    lo = ((v + 128) & 255) - 128;
+    const int r1 = (v - lo) >> 8;
+    mid = ((r1 + 128) & 255) - 128;
+    hi = (r1 - mid) >> 8;
+}
+
 // A CUtensorMap (opaque, 128 bytes, 64-byte aligned), passed by value as a __grid_constant__.
 struct __align__(64) FaTmap {
     u64 opaque[16];
@@ -555,6 +622,68 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     auto state_row = [&](int r) {
         return state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
     };
+#if FA_I8QK
+    // FA_I8QK query fragments (B operand of the integer QK, k = slot, n = row): entry
+    // (b, nt, plane, lane) holds row nt*8 + lane/4's bytes of plane hi / mid / lo (0, 1, 2) for
+    // slots 4·(lane%4) + 0..3 and 16 + 4·(lane%4) + 0..3 of block b (fa_i8_slot_value), as a uint2;
+    // then 2^E and 2^-E per row. Pass 1: a warp per row takes the row's largest |value|; pass 2:
+    // every entry rounds its 8 values. (Uses 3/4 of the f16 fragments' space, so the launcher's
+    // shared-memory size holds either layout.)
+    uint2* qi = (uint2*)qf;                              // [D/32][NT][3][32]
+    float* sQp = (float*)(qi + D / 32 * NT * 3 * 32);    // [32] 2^E
+    float* sQs = sQp + FA_ROWS;                           // [32] 2^-E (NaN for a non-finite row)
+    static_assert(D / 32 * NT * 3 * 32 * 8 + 2 * FA_ROWS * 4 <= KS * NT * 32 * 16, "I8 fragments fit");
+    auto qrow_of = [&](int r) { return q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D; };
+    for (int r = w; r < FA_ROWS; r += FA_THREADS / 32) {  // warp-uniform rows
+        float m = 0.0f;
+        bool finite = true;
+        if (r < R) {
+            const float* qr = qrow_of(r);
+            for (int d = lane; d < D; d += 32) {
+                const float a = fabsf(qr[d] * geo.scale_log2);
+                finite = finite && a < __int_as_float(0x7f800000);  // false for inf and NaN
+                m = fmaxf(m, a);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        finite = __all_sync(0xffffffffu, finite);
+        if (lane == 0) {
+            const int e = fa_i8_row_exp(m);
+            sQp[r] = fa_pow2(e);
+            sQs[r] = finite ? fa_pow2(-e) : __int_as_float(0x7fc00000);
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < D / 32 * NT * 32; e += FA_THREADS) {  // lane e & 31 == lane
+        const int idx = e >> 5;
+        const int nt = idx % NT, b = idx / NT;
+        const int r = nt * 8 + g;
+        const float p2 = sQp[r];
+        const float* qr = r < R ? qrow_of(r) : nullptr;
+        u32 pk[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int slot = (j < 4 ? 0 : 16) + 4 * tq + (j & 3);
+            const float x = qr != nullptr ? qr[b * 32 + fa_i8_slot_value(b, slot)] * geo.scale_log2 : 0.0f;
+            int hi, mid, lo;
+            fa_i8_split(__float2int_rn(x * p2), hi, mid, lo);
+            const int sh = 8 * (j & 3);
+            pk[0][j >> 2] |= ((u32)hi & 255u) << sh;
+            pk[1][j >> 2] |= ((u32)mid & 255u) << sh;
+            pk[2][j >> 2] |= ((u32)lo & 255u) << sh;
+        }
+#pragma unroll
+        for (int pl = 0; pl < 3; pl++) qi[((b * NT + nt) * 3 + pl) * 32 + lane] = make_uint2(pk[pl][0], pk[pl][1]);
+    }
+    // This thread's score rows nt*8 + 2tq + j: their 2^-E (every pass-1 write is behind the barrier).
+    float qsc[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        qsc[nt][0] = sQs[nt * 8 + 2 * tq];
+        qsc[nt][1] = sQs[nt * 8 + 2 * tq + 1];
+    }
+#else
     // Query fragments (B operand of QK, k = dim, n = row): entry (ks, nt, lane) holds rows
     // nt*8 + lane/4, dims ks*16 + 2*(lane%4) + {0, 1, 8, 9}, as {hi(0,1), hi(8,9), lo(0,1), lo(8,9)}.
     // A thread's entries e = tid + FA_THREADS*i keep lane e & 31 = lane, so its NT query rows
@@ -588,6 +717,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
             qf[e] = make_uint4(h0, h1, l0, l1);
         }
     }
+#endif
     // Row state: m, l in shared memory; alpha defaults to 1 (padding rows are never read out).
     if (tid < FA_ROWS) {
         const int r = tid;
@@ -645,6 +775,41 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 for (int i = 0; i < 4; i++) sacc[nt][i] = 0.0f;
             const u8* rowA = kb + (16 * w + g) * KHB;
             const u8* rowB = rowA + 8 * KHB;
+#if FA_I8QK
+            const uint2* qb = (const uint2*)qf;
+            const u32 sel = tq == 3 ? 0x7610u : 0x3210u;
+#pragma unroll 1
+            for (int bp = 0; bp < D / 64; bp++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int b = 2 * bp + h;
+                    const u8* blkA = rowA + b * 34;
+                    const u8* blkB = rowB + b * 34;
+                    u32 a0, a1, a2, a3;
+                    if (h) {
+                        fa_i8_kfrag<true>(blkA, blkB, tq, sel, a0, a1, a2, a3);
+                    } else {
+                        fa_i8_kfrag<false>(blkA, blkB, tq, sel, a0, a1, a2, a3);
+                    }
+                    const float sA0 = fa_f16(blkA), sB0 = fa_f16(blkB);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint2* qe = qb + (b * NT + nt) * 3 * 32 + lane;
+                        const uint2 qh = qe[0], qm = qe[32], ql = qe[64];
+                        int d1[4], d2[4], d3[4];
+                        fa_mma_i8(d1, a0, a1, a2, a3, qh.x, qh.y, 0, 0, 0, 0);
+                        fa_mma_i8(d2, a0, a1, a2, a3, qm.x, qm.y, d1[0] * 256, d1[1] * 256, d1[2] * 256,
+                                  d1[3] * 256);
+                        fa_mma_i8(d3, a0, a1, a2, a3, ql.x, ql.y, 0, 0, 0, 0);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float f = fmaf((float)d2[i], 256.0f, (float)d3[i]);
+                            sacc[nt][i] = fmaf(i < 2 ? sA0 : sB0, f, sacc[nt][i]);
+                        }
+                    }
+                }
+            }
+#else
 #pragma unroll 2
             for (int b = 0; b < D / 32; b++) {
                 const u8* blkA = rowA + b * 34;
@@ -681,6 +846,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                     sacc[nt][3] += sB0 * (ch[nt][3] + cl[nt][3]);
                 }
             }
+#endif
             const int tA = 16 * w + g, tB = tA + 8;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
@@ -688,7 +854,11 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                 for (int i = 0; i < 4; i++) {
                     const int r = nt * 8 + 2 * tq + (i & 1);
                     const int t = (i >> 1) ? tB : tA;
+#if FA_I8QK
+                    sSb[r * FA_SROW + t] = c0 + t <= slim[nt][i & 1] ? sacc[nt][i] * qsc[nt][i & 1] : NEG_INF;
+#else
                     sSb[r * FA_SROW + t] = c0 + t <= slim[nt][i & 1] ? sacc[nt][i] : NEG_INF;
+#endif
                 }
             }
         }
