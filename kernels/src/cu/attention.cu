@@ -622,6 +622,8 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     auto state_row = [&](int r) {
         return state + (((u64)split * W + q0 + r / G) * geo.q_heads + kvh * G + r % G) * rowlen;
     };
+    // Row r's query vector (r < R).
+    auto qrow_of = [&](int r) { return q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D; };
 #if FA_I8QK
     // FA_I8QK query fragments (B operand of the integer QK, k = slot, n = row): entry
     // (b, nt, plane, lane) holds row nt*8 + lane/4's bytes of plane hi / mid / lo (0, 1, 2) for
@@ -633,7 +635,6 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
     float* sQp = (float*)(qi + D / 32 * NT * 3 * 32);    // [32] 2^E
     float* sQs = sQp + FA_ROWS;                           // [32] 2^-E (NaN for a non-finite row)
     static_assert(D / 32 * NT * 3 * 32 * 8 + 2 * FA_ROWS * 4 <= KS * NT * 32 * 16, "I8 fragments fit");
-    auto qrow_of = [&](int r) { return q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D; };
     for (int r = w; r < FA_ROWS; r += FA_THREADS / 32) {  // warp-uniform rows
         float m = 0.0f;
         bool finite = true;
@@ -693,7 +694,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int r = nt * 8 + g;
-            qrow[nt] = r < R ? q + ((u64)(q0 + r / G) * geo.q_heads + kvh * G + r % G) * D : nullptr;
+            qrow[nt] = r < R ? qrow_of(r) : nullptr;
         }
         static_assert(KS * NT * 32 % FA_THREADS == 0, "whole query-fragment passes");
 #pragma unroll
