@@ -160,7 +160,104 @@ def check(mapping, stages, seeds, share=False):
     return None
 
 
+def split_launch(tiles, nch, blocks, split, slots, rng):
+    """One launch of the kernel's block ranges, mirroring q4i8t_body's index math (u0, u1, tf,
+    skip, tlast, cs, ce) and its split hand-off: each block, in a random interleaving with the
+    others, runs its producer's stage list and its consumers' tile loop; a tile's sum is the
+    sequence of its stage values. Part A is published into slot b + 1 (st.relaxed), part B kept
+    and finished after the range by polling slot b (ld.relaxed until not empty, then empty again).
+    Checks: the producer's and the consumers' stage lists agree, every tile is stored once with
+    all of its stages in order, a finisher only waits for the block before it, and every slot is
+    empty again when the launch ends (the invariant the next launch relies on)."""
+    units = tiles * nch if split else tiles
+    stored = {}
+    runs = []
+    for b in range(blocks):
+        u0, u1 = b * units // blocks, (b + 1) * units // blocks
+        if not split:
+            u0, u1 = u0 * nch, u1 * nch
+        tf = u0 // nch
+        skip = u0 - tf * nch
+        tlast = (u1 - 1) // nch
+        produced = [(u // nch, u % nch) for u in range(u0, u1)]
+        steps, consumed = [], []
+        for tl in range(0, tlast - tf + 1):
+            tile = tf + tl
+            cs = skip if tl == 0 else 0
+            ce = min(nch, u1 - tile * nch)
+            consumed += [(tile, c) for c in range(cs, ce)]
+            part = [(tile, c) for c in range(cs, ce)]
+            if cs > 0:
+                assert tl == 0, "part B is always the block's first tile (reduced by warp 0)"
+                steps.append(("keep", tile, part))
+            elif ce < nch:
+                steps.append(("publish", tile, part, b + 1))
+            else:
+                steps.append(("store", tile, part))
+        if split and skip > 0:
+            steps.append(("finish", tf, b))
+        if produced != consumed:
+            raise AssertionError(f"block {b}: producer {produced} != consumers {consumed}")
+        runs.append({"b": b, "steps": steps, "i": 0, "head": None})
+    while any(r["i"] < len(r["steps"]) for r in runs):
+        ready = []
+        for r in runs:
+            if r["i"] >= len(r["steps"]):
+                continue
+            st = r["steps"][r["i"]]
+            if st[0] == "finish":
+                if st[2] == 0:
+                    raise AssertionError("block 0 never starts inside a tile")
+                if slots[st[2]] is None:
+                    continue  # polls: part A not landed yet
+            ready.append(r)
+        if not ready:
+            raise AssertionError("deadlock: every block polls an empty slot")
+        r = rng.choice(ready)
+        st = r["steps"][r["i"]]
+        r["i"] += 1
+        if st[0] == "keep":
+            r["head"] = st[2]
+        elif st[0] == "publish":
+            if slots[st[3]] is not None:
+                raise AssertionError(f"slot {st[3]} published twice")
+            slots[st[3]] = st[2]
+        elif st[0] == "store":
+            stored[st[1]] = stored.get(st[1], []) + [st[2]]
+        else:  # finish: A (from slot b) + B, then the slot is empty again
+            a = slots[st[2]]
+            slots[st[2]] = None
+            stored[st[1]] = stored.get(st[1], []) + [a + r["head"]]
+    for tile in range(tiles):
+        want = [[(tile, c) for c in range(nch)]]
+        if stored.get(tile) != want:
+            raise AssertionError(f"tile {tile} stored as {stored.get(tile)}")
+    if any(v is not None for v in slots):
+        raise AssertionError("a slot is not empty after the launch")
+
+
+def check_split(seeds):
+    for tiles in range(1, 40):
+        for nch in (1, 2, 3, 5):
+            for blocks in range(1, tiles + 1):
+                for split in (False, True):
+                    slots = [None] * (blocks + 1)
+                    for seed in range(seeds):
+                        rng = random.Random(seed * 7919 + tiles * 131 + nch * 17 + blocks)
+                        try:
+                            split_launch(tiles, nch, blocks, split, slots, rng)
+                        except AssertionError as e:
+                            return f"tiles={tiles} nch={nch} blocks={blocks} split={split}: {e}"
+    return None
+
+
 def main():
+    bad = check_split(3)
+    if bad:
+        print(f"q4 tiles split ranges: VIOLATION {bad}")
+        return 1
+    print("q4 tiles split ranges: 1..39 tiles, 1..5 stages per tile, every block count, 3 "
+          "launches on the same slots: ok")
     bad = check(new_mapping, [2, 4, 6], 60)
     if bad:
         print(f"q4 tiles ring: VIOLATION {bad}")

@@ -34,7 +34,7 @@ pub use graph::CapturedWork;
 pub use lend::{LEND_DEFAULT, LEND_ENV};
 pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::linear::q4mmap::Q4_PDL_ENV;
-pub use ops::linear::q4tiles::{Q4Tiles, Q4_TILES_ENV};
+pub use ops::linear::q4tiles::{Q4Tiles, Q4_TILES_ENV, Q4_TILES_SPLIT_ENV};
 pub use ops::linear::sk_plan::{GemvSk, GEMV_SK_ENV, STREAM_K_DTYPES};
 pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_FUSED_ENV, GDN_PATH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};

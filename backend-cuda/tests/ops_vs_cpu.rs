@@ -579,8 +579,10 @@ fn q4_gemv_paths_match_cpu_for_wide_range_activations() {
 /// qkv+z and MLP gate+up shapes (16384×5120, 34816×5120: 7–8 and 16–17 tiles per block through
 /// 2–4 ring slots, so every slot is refilled several times and its barriers change parity), and
 /// K = 17408 in half-tile stages (sixteen row copies each; a partial last tile at 1001 rows, the
-/// 27B down projection at 5120), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144). The
-/// stream-K kernel on the same weight stays within the same bound.
+/// 27B down projection at 5120), x staged (T ≤ 2) and read through L1 (T = 8 at K = 6144); each
+/// with whole tiles per block and with split ranges (`set_q4_tiles_split`: a boundary tile's two
+/// parts added by the later block, in `QT_SHARE=1` builds). The stream-K kernel on the same weight
+/// stays within the same bound.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
@@ -601,13 +603,19 @@ fn q4_tile_kernel_matches_cpu_and_is_width_independent() {
     {
         let (wg, wd, x, c) = q4_case(&p, &mut rng, dt, n, k);
         p.gpu.set_q4_gemv(Q4Gemv::Auto);
-        for tiles in [Q4Tiles::On, Q4Tiles::Off] {
+        for (tiles, split) in [
+            (Q4Tiles::On, false),
+            (Q4Tiles::On, true),
+            (Q4Tiles::Off, false),
+        ] {
             p.gpu.set_q4_tiles(tiles);
-            let what = format!("{dt} tiles {tiles:?} [{n}x{k}]");
+            p.gpu.set_q4_tiles_split(split);
+            let what = format!("{dt} tiles {tiles:?} split {split} [{n}x{k}]");
             check_gemv_rows(&p, &what, &wg, &x, &c, &wd, n, k);
         }
     }
     p.gpu.set_q4_tiles(Q4Tiles::Off);
+    p.gpu.set_q4_tiles_split(false);
 }
 
 /// Embedding rows of quantized tables: exactly the CPU's (and the contract's) dequantised rows.

@@ -983,10 +983,11 @@ __device__ __forceinline__ u32 qt_round(u32 j, int S) { return j / ((u32)S >> 1)
 #endif
 #define QT_CW (QT_SHARE ? 2 * QT_GW : QT_GW)  // consumer warps per tile (and empty[] arrivals)
 
-// Slot and round of stage c of the block's tile tl (`nch` stages per tile).
-__device__ __forceinline__ void qt_place(u32 tl, u32 c, u32 nch, int S, u32& slot, u32& round) {
+// Slot and round of stage c of the block's tile tl (`nch` stages per tile; the block's first tile
+// starts at its stage `skip`, nonzero only for a split range, below).
+__device__ __forceinline__ void qt_place(u32 tl, u32 c, u32 nch, u32 skip, int S, u32& slot, u32& round) {
     if (QT_SHARE) {
-        const u32 i = tl * nch + c;
+        const u32 i = tl * nch + c - skip;
         slot = i % (u32)S;
         round = i / (u32)S;
     } else {
@@ -994,6 +995,41 @@ __device__ __forceinline__ void qt_place(u32 tl, u32 c, u32 nch, int S, u32& slo
         slot = qt_slot(j, tl & 1u, S);
         round = qt_round(j, S);
     }
+}
+
+// Split ranges (`scratch` non-null, QT_SHARE builds; the launcher's `KVSTREAM_Q4_TILES_SPLIT`):
+// whole tiles per block leave blocks unequal where tiles / B is just above an integer (the 27B
+// out and down projections: 320 tiles on 132 SMs, 2.42 per block, so the blocks of 3 set the
+// time: 81% of an even share). Then the block ranges are equal runs of stages instead, [b·U/B,
+// (b+1)·U/B) of the U = tiles · NCH stages in tile order (the launcher cuts such shapes into
+// smaller stages, e.g. half tiles), and every range holds at least NCH stages, so a tile is shared
+// by at most two neighbouring blocks: block b's range ends in it (its first stages, "part A") and
+// block b + 1's begins in it (part B). Block b publishes part A's sums into scratch slot b + 1
+// when it reaches that tile (its last); block b + 1 keeps part B's sums (it reads that tile first)
+// and, after its whole range, waits for part A, adds A + B and stores. A block waits only for the
+// block before it, which the hardware schedules first, so even a grid that is not wholly resident
+// cannot deadlock. The hand-off needs no fence: each slot value is empty while it holds QT_EMPTY
+// (a NaN bit pattern float arithmetic never produces: its NaNs are 0x7fffffff), the publisher
+// stores with st.relaxed.gpu, the finisher reloads a value until it is not empty and puts
+// QT_EMPTY back (the launcher fills a new scratch buffer with 0xff bytes; every launch takes
+// every value it publishes). The sums are a function of N, K and B, never of T.
+#define QT_EMPTY 0xffffffffu
+#define QT_SPLIT_SLOT 256  // floats per scratch slot: NP · 2 values per lane, NP ≤ 4
+
+__device__ __forceinline__ void qt_put(float* p, float v) {
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(__float_as_uint(v)) : "memory");
+}
+// The value at p once published (a value missing after 2^28 reloads is a broken hand-off: trap
+// rather than hang), leaving p empty for the next launch.
+__device__ __forceinline__ float qt_take(float* p) {
+    u32 b;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p) : "memory");
+    for (u32 tries = 0; b == QT_EMPTY; tries++) {
+        if (tries == (1u << 28)) __trap();
+        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p) : "memory");
+    }
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(QT_EMPTY) : "memory");
+    return __uint_as_float(b);
 }
 
 // `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), counted on the
@@ -1020,7 +1056,7 @@ __device__ __forceinline__ void qt_consumers_sync() {
 template <bool XS, int NP, bool NL>
 __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u8* __restrict__ w,
                                            float* __restrict__ y, int T, u64 K, u64 N, u64 soff, int S,
-                                           u32 ring_off, u32 stage_bytes, u32 chunk) {
+                                           u32 ring_off, u32 stage_bytes, u32 chunk, float* __restrict__ scratch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 qt_sm[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1029,8 +1065,12 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const u32 CB = chunk * 64;    // code bytes per row and stage
     const u32 NCH = NG / chunk;   // stages per tile
     const u32 tiles = (u32)((N + 15) / 16);
-    const u32 t0 = (u32)((u64)blockIdx.x * tiles / gridDim.x);
-    const u32 t1 = (u32)((u64)(blockIdx.x + 1) * tiles / gridDim.x);
+    // The block's stages [u0, u1) in tile order: whole tiles, or an equal run (split, see above).
+    const bool split = QT_SHARE && scratch != nullptr;
+    const u64 units = split ? (u64)tiles * NCH : (u64)tiles;
+    u32 u0 = (u32)((u64)blockIdx.x * units / gridDim.x), u1 = (u32)((u64)(blockIdx.x + 1) * units / gridDim.x);
+    if (!split) u0 *= NCH, u1 *= NCH;
+    const u32 tf = u0 / NCH, skip = u0 - tf * NCH;  // first tile, its first stage
     const u32 per = NG * QC_U4;
     const u32 tstride = XS ? per + 1u : per;
     const u32 bars = smem_u32(qt_sm);  // full[i] at bars + 8i, empty[i] at bars + 8(S + i)
@@ -1053,27 +1093,26 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
         // wait. Stage (tile tl, chunk c): its codes (one copy for a whole tile, else one per row)
         // and the tile's scales (one copy).
         if (lane != 0) return;
-        for (u32 tl = 0; t0 + tl < t1; tl++) {
-            const u64 row0 = (u64)(t0 + tl) * 16;
+        for (u32 u = u0; u < u1; u++) {
+            const u32 tile = u / NCH, c = u - tile * NCH;
+            const u64 row0 = (u64)tile * 16;
             const u32 rows = (u32)min((u64)16, N - row0);
             const u32 sb = rows * NG * 2;
-            for (u32 c = 0; c < NCH; c++) {
-                u32 slot, round;
-                qt_place(tl, c, NCH, S, slot, round);
-                if (round > 0) mbar_wait_parity(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
-                const u32 full = bars + 8u * slot;
-                const u32 st = smem_u32(ring + (u64)slot * stage_bytes);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
-                             "r"(rows * CB + sb)
-                             : "memory");
-                const u8* src = w + row0 * RB + (u64)c * CB;
-                if (NCH == 1) {
-                    qt_bulk(st, src, rows * CB, full);
-                } else {
-                    for (u32 r = 0; r < rows; r++) qt_bulk(st + r * CB, src + (u64)r * RB, CB, full);
-                }
-                qt_bulk(st + 16u * CB, w + soff + row0 * ((u64)NG * 2), sb, full);
+            u32 slot, round;
+            qt_place(tile - tf, c, NCH, skip, S, slot, round);
+            if (round > 0) mbar_wait_parity(bars + 8u * ((u32)S + slot), (round - 1) & 1u);
+            const u32 full = bars + 8u * slot;
+            const u32 st = smem_u32(ring + (u64)slot * stage_bytes);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
+                         "r"(rows * CB + sb)
+                         : "memory");
+            const u8* src = w + row0 * RB + (u64)c * CB;
+            if (NCH == 1) {
+                qt_bulk(st, src, rows * CB, full);
+            } else {
+                for (u32 r = 0; r < rows; r++) qt_bulk(st + r * CB, src + (u64)r * RB, CB, full);
             }
+            qt_bulk(st + 16u * CB, w + soff + row0 * ((u64)NG * 2), sb, full);
         }
         return;
     }
@@ -1101,13 +1140,19 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
     const u32 offa = (u32)g * CB + (u32)tq * 16, offb = offa + 8 * CB;
     const u32 osa = 16 * CB + (u32)g * NG * 2, osb = osa + 8 * NG * 2;
 
-    for (u32 tl = (u32)grp; t0 + tl < t1; tl += QT_SHARE ? 1 : 2) {
+    const u32 tlast = (u1 - 1) / NCH;
+    float head[NP][2];  // part B of the block's first tile (split), finished after the range
+#pragma unroll
+    for (int p = 0; p < NP; p++) head[p][0] = head[p][1] = 0.0f;
+    for (u32 tl = (u32)grp; tf + tl <= tlast; tl += QT_SHARE ? 1 : 2) {
+        const u32 tile = tf + tl;
+        const u32 cs = tl == 0 ? skip : 0u, ce = min(NCH, u1 - tile * NCH);  // this range's stages
         float acc[NP][2];
 #pragma unroll
         for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = 0.0f;
-        for (u32 c = 0; c < NCH; c++) {
+        for (u32 c = cs; c < ce; c++) {
             u32 slot, round;
-            qt_place(tl, c, NCH, S, slot, round);
+            qt_place(tl, c, NCH, skip, S, slot, round);
             mbar_wait_parity(bars + 8u * slot, round & 1u);
             const u8* st = ring + (u64)slot * stage_bytes;
             // Two items in flight per warp (the MMA chains of one item are serial).
@@ -1155,22 +1200,46 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
                     for (int q = 1; q < QT_CW; q++) a += part[q * (NP * 64) + (p * 2 + i) * 32 + lane];
                     sum[p][i] = a;
                 }
-            qc_store<NP>(sum, t0 + tl, g, tq, T, N, y);
+            if (cs > 0) {
+                // Part B of a split tile (the block's first: this is warp 0): finished below.
+#pragma unroll
+                for (int p = 0; p < NP; p++) head[p][0] = sum[p][0], head[p][1] = sum[p][1];
+            } else if (ce < NCH) {
+                // Part A (the block's last tile): block b + 1 adds it to its part B.
+                float* slotp = scratch + (u64)(blockIdx.x + 1) * QT_SPLIT_SLOT + lane;
+#pragma unroll
+                for (int p = 0; p < NP; p++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) qt_put(slotp + (p * 2 + i) * 32, sum[p][i]);
+            } else {
+                qc_store<NP>(sum, tile, g, tq, T, N, y);
+            }
         }
+    }
+    if (split && skip > 0 && wi == 0) {
+        // The first tile's part A from block b - 1 (published when it reached its last tile), then
+        // A + B in that order.
+        float* slotp = scratch + (u64)blockIdx.x * QT_SPLIT_SLOT + lane;
+        float a[NP][2];
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) a[p][i] = qt_take(slotp + (p * 2 + i) * 32) + head[p][i];
+        qc_store<NP>(a, tf, g, tq, T, N, y);
     }
 #else
     // Bulk copies and transaction-counted barriers are sm_90 features: the launcher never
     // runs this kernel below sm_90 (backend-cuda/src/ops/linear/q4tiles.rs).
     (void)xf, (void)w, (void)y, (void)T, (void)K, (void)N, (void)soff, (void)S, (void)ring_off, (void)stage_bytes,
-        (void)chunk;
+        (void)chunk, (void)scratch;
     __trap();
 #endif
 }
 
 #define Q4I8T_ARGS                                                                                  \
     const uint4 *xf, const u8 *w, float *y, int T, u64 K, u64 N, u64 soff, int S, u32 ring_off, u32 stage_bytes, \
-        u32 chunk
-#define Q4I8T_PASS xf, w, y, T, K, N, soff, S, ring_off, stage_bytes, chunk
+        u32 chunk, float *scratch
+#define Q4I8T_PASS xf, w, y, T, K, N, soff, S, ring_off, stage_bytes, chunk, scratch
 extern "C" __launch_bounds__(QT_THREADS, 1) __global__ void gemv_q4i8t1(Q4I8T_ARGS) {
     q4i8t_body<false, 1, false>(Q4I8T_PASS);
 }

@@ -57,6 +57,9 @@ pub(crate) struct Q4GemvState {
     pub(crate) tiles_reserved: AtomicU32,
     /// Which shapes run the tile-owning kernel (`super::q4tiles::Q4Tiles::code`).
     pub(crate) tiles: std::sync::atomic::AtomicU64,
+    /// Whether the tile-owning kernel's block ranges are equal runs of stages
+    /// (`super::q4tiles::Q4_TILES_SPLIT_ENV`).
+    pub(crate) tiles_split: std::sync::atomic::AtomicBool,
 }
 
 impl Q4GemvState {
@@ -66,6 +69,9 @@ impl Q4GemvState {
             xs_reserved: AtomicU32::new(0),
             tiles_reserved: AtomicU32::new(0),
             tiles: std::sync::atomic::AtomicU64::new(super::q4tiles::Q4Tiles::from_env().code()),
+            tiles_split: std::sync::atomic::AtomicBool::new(
+                std::env::var(super::q4tiles::Q4_TILES_SPLIT_ENV).is_ok_and(|v| v.trim() == "1"),
+            ),
         }
     }
 }

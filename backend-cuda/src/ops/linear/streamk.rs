@@ -32,6 +32,10 @@ pub(crate) fn owner(item: usize, warps: usize, work: usize) -> usize {
 pub(crate) struct StreamKBuffers {
     scratch: Option<Arc<DeviceAlloc>>,
     counters: Option<Arc<DeviceAlloc>>,
+    /// The tile-owning q4 GEMV's split-range slots (`super::q4tiles`), every value 0xffffffff
+    /// between launches; its own buffer, so its invariant never depends on the stream-K kernels'
+    /// hand-off level.
+    tiles_split: Option<Arc<DeviceAlloc>>,
 }
 
 impl CudaBackend {
@@ -57,6 +61,20 @@ impl CudaBackend {
                 "matmul",
                 "stream-K GEMV buffers missing".to_string(),
             )),
+        }
+    }
+
+    /// The tile-owning q4 GEMV's split scratch, at least `bytes`, every byte 0xff when new (kept,
+    /// and only grown, across calls; each launch leaves it so).
+    pub(crate) fn tiles_split_scratch(&self, bytes: usize) -> Result<Arc<DeviceAlloc>, OpError> {
+        let mut b = self.stream_k.lock().unwrap_or_else(|e| e.into_inner());
+        match &b.tiles_split {
+            Some(s) if s.len() >= bytes => Ok(s.clone()),
+            _ => {
+                let s = self.alloc_filled(bytes, 0xff, "q4 tile GEMV split scratch")?;
+                b.tiles_split = Some(s.clone());
+                Ok(s)
+            }
         }
     }
 
