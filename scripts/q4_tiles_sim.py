@@ -237,17 +237,21 @@ def split_launch(tiles, nch, blocks, split, slots, rng):
 
 
 def check_split(seeds):
-    for tiles in range(1, 40):
-        for nch in (1, 2, 3, 5):
-            for blocks in range(1, tiles + 1):
-                for split in (False, True):
-                    slots = [None] * (blocks + 1)
-                    for seed in range(seeds):
-                        rng = random.Random(seed * 7919 + tiles * 131 + nch * 17 + blocks)
-                        try:
-                            split_launch(tiles, nch, blocks, split, slots, rng)
-                        except AssertionError as e:
-                            return f"tiles={tiles} nch={nch} blocks={blocks} split={split}: {e}"
+    cases = (
+        (tiles, nch, blocks, split)
+        for tiles in range(1, 40)
+        for nch in (1, 2, 3, 5)
+        for blocks in range(1, tiles + 1)
+        for split in (False, True)
+    )
+    for tiles, nch, blocks, split in cases:
+        slots = [None] * (blocks + 1)  # the same slots for every launch: each must leave them empty
+        try:
+            for seed in range(seeds):
+                split_launch(tiles, nch, blocks, split, slots,
+                             random.Random(seed * 7919 + tiles * 131 + nch * 17 + blocks))
+        except AssertionError as e:
+            return f"tiles={tiles} nch={nch} blocks={blocks} split={split}: {e}"
     return None
 
 

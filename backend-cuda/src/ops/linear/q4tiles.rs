@@ -444,6 +444,17 @@ mod tests {
 
     const OPTIN: usize = 227 * 1024;
 
+    /// The 27B decode shapes (out, down, qkv+z, q+k+v, gate+up, lm_head) and a small one.
+    const SHAPES: [(usize, usize); 7] = [
+        (5120, 6144),
+        (5120, 17408),
+        (16384, 5120),
+        (14336, 5120),
+        (34816, 5120),
+        (248320, 5120),
+        (7, 1024),
+    ];
+
     #[test]
     fn selection_parses_on_off_and_a_size() {
         assert_eq!(Q4Tiles::parse(None), Q4Tiles::Off);
@@ -477,15 +488,7 @@ mod tests {
     /// halves.
     #[test]
     fn plan_fits_the_sm_and_sizes_the_ring() {
-        for (n, k) in [
-            (5120, 6144),
-            (5120, 17408),
-            (16384, 5120),
-            (14336, 5120),
-            (34816, 5120),
-            (248320, 5120),
-            (7, 1024),
-        ] {
+        for (n, k) in SHAPES {
             for t in 1..=8 {
                 let p = tiles_plan(n, k, t, 0, 0, 132, OPTIN, false).expect("plan at every T");
                 let np = pairs(t);
@@ -598,15 +601,7 @@ mod tests {
                 "{tiles}"
             );
         }
-        for (n, k) in [
-            (5120, 6144),
-            (5120, 17408),
-            (16384, 5120),
-            (14336, 5120),
-            (34816, 5120),
-            (248320, 5120),
-            (7, 1024),
-        ] {
+        for (n, k) in SHAPES {
             let one = tiles_plan(n, k, 1, 0, 0, 132, OPTIN, true).expect("plan");
             for t in 1..=8 {
                 let p = tiles_plan(n, k, t, 0, 0, 132, OPTIN, true).expect("plan at every T");
