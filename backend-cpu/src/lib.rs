@@ -31,6 +31,9 @@ use kvstream_memory_contracts::backend::{Backend, Capabilities, WeightDType};
 pub struct CpuBackend {
     registry: host::HostRegistry,
     copies: copy_engine::CopyWorker,
+    /// `LinearOps::prefetch_weight` hints received (memory is already where the CPU computes:
+    /// counted, so tests can see which weights a model names).
+    prefetch_hints: std::sync::atomic::AtomicU64,
 }
 
 impl Default for CpuBackend {
@@ -45,7 +48,14 @@ impl CpuBackend {
         Self {
             registry: host::HostRegistry::default(),
             copies: copy_engine::CopyWorker::start(),
+            prefetch_hints: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// `LinearOps::prefetch_weight` hints received so far (each is otherwise a no-op here).
+    pub fn prefetch_hints(&self) -> u64 {
+        self.prefetch_hints
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Bytes of host memory currently registered through [`PinnedHost`](kvstream_memory_contracts::host::PinnedHost).

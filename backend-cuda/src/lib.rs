@@ -36,7 +36,7 @@ pub use ops::linear::q4mma::{Q4Gemv, Q4_GEMV_ENV};
 pub use ops::linear::q4mmap::Q4_PDL_ENV;
 pub use ops::linear::q4tiles::{Q4Tiles, Q4_TILES_ENV, Q4_TILES_SPLIT_ENV};
 pub use ops::linear::sk_plan::{GemvSk, GEMV_SK_ENV, STREAM_K_DTYPES};
-pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_FUSED_ENV, GDN_PATH_ENV};
+pub use ops::{GDN_CHUNK_MIN_TOKENS, GDN_FUSED_ENV, GDN_PATH_ENV, L2_PREFETCH_ENV};
 pub use types::{CudaBuffer, CudaFence, CudaHostRegistration, CudaTensor, CudaWeight, DeviceAlloc};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
@@ -91,6 +91,8 @@ pub struct CudaBackend {
     pub(crate) gdn_fused: std::sync::atomic::AtomicBool,
     /// Free lists of small allocations ([`alloc_cache`]); `None` when turned off.
     pub(crate) alloc_cache: Option<Arc<alloc_cache::AllocCache>>,
+    /// Weight prefetches into L2 (`ops::prefetch`, `KVSTREAM_L2_PREFETCH`).
+    pub(crate) l2_prefetch: ops::L2Prefetch,
 }
 
 fn cap(detail: impl Into<String>) -> CapabilityError {
@@ -158,6 +160,10 @@ impl CudaBackend {
             )
             .map(|v| v.max(1) as usize)
             .unwrap_or(1);
+        let l2_bytes = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map(|v| v.max(0) as usize)
+            .unwrap_or(0);
         let compute = ctx
             .new_stream()
             .map_err(|e| cap(format!("cannot create the compute stream: {e:?}")))?;
@@ -195,6 +201,7 @@ impl CudaBackend {
             gdn_fused: std::sync::atomic::AtomicBool::new(ops::gdn_fused_from_env()),
             alloc_cache: alloc_cache::enabled_from_env()
                 .then(|| Arc::new(alloc_cache::AllocCache::default())),
+            l2_prefetch: ops::L2Prefetch::new(l2_bytes),
         })
     }
 

@@ -59,6 +59,7 @@ pub const MODULES: &[KernelModule] = &[
             "split_cols_f32",
             "embedding_gather",
             "argmax_rows_f32",
+            "l2_prefetch",
         ],
     },
     KernelModule {

@@ -98,6 +98,13 @@ pub trait LinearOps: Backend {
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, OpError>;
     /// `x` `[T, K]` times `wᵀ` (`w` is `[N, K]`) → `[T, N]`, accumulated in f32.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor, OpError>;
+    /// A hint that a `matmul` on `w` follows soon: the backend may start moving `w`'s bytes toward
+    /// its compute units (a GPU: into its L2 cache while the small kernels before that matmul
+    /// leave memory idle). Never changes a result; the default does nothing.
+    fn prefetch_weight(&self, w: &Self::Weight) -> Result<(), OpError> {
+        let _ = w;
+        Ok(())
+    }
 }
 
 /// Normalisations.

@@ -102,6 +102,20 @@ impl<B: ModelBackend> Mlp<B> {
 }
 
 /// Gated full attention (qwen-spec §3.4).
+/// Rows up to which a layer names its output projection for prefetch (decode and MTP
+/// verification widths; a prefill's GEMM is not latency-bound).
+const PREFETCH_MAX_ROWS: usize = 8;
+
+/// Between a layer's input and output projections decode runs small kernels that leave memory
+/// idle: the output projection's weight is named to the backend then
+/// (`LinearOps::prefetch_weight`, a hint that never changes a result).
+fn prefetch_for_decode<B: ModelBackend>(b: &B, w: &B::Weight, t: usize) -> Result<(), ModelError> {
+    if t <= PREFETCH_MAX_ROWS {
+        b.prefetch_weight(w)?;
+    }
+    Ok(())
+}
+
 pub(crate) struct Attention<B: ModelBackend> {
     /// `[q (with gate); k; v]`.
     qkv: Proj<B>,
@@ -148,6 +162,7 @@ impl<B: ModelBackend> Attention<B> {
             positions.len(),
         );
         let [qg, k, v] = self.qkv.forward_n(b, u)?;
+        prefetch_for_decode(b, &self.o_proj, t)?;
         let mut parts = b.split_cols(&qg, nh, &[d, d])?.into_iter();
         let (q, gate) = match (parts.next(), parts.next()) {
             (Some(q), Some(g)) => (q, g),
@@ -239,6 +254,7 @@ impl<B: ModelBackend> Gdn<B> {
             c.linear_value_head_dim,
         );
         let [m, z] = self.in_proj_qkvz.forward_n(b, u)?;
+        prefetch_for_decode(b, &self.out_proj, t)?;
         let [bb, a] = self.in_proj_ba.forward_n(b, u)?;
         let step = |m: &B::Tensor,
                     a: &B::Tensor,

@@ -138,6 +138,7 @@ fn incremental(name: &str) {
     let (_, want) = s.oracle.f32("logits_incremental");
     let v = s.model.config().vocab_size;
     let (mut st, mut kv) = (s.state(), s.kv());
+    let hints = s.b.prefetch_hints();
     let pre = s
         .model
         .forward(
@@ -151,6 +152,13 @@ fn incremental(name: &str) {
             None,
         )
         .expect("prefill");
+    // Prefetch hints (`LinearOps::prefetch_weight`): none for a prefill, every layer's output
+    // projection once per decode step.
+    assert_eq!(
+        s.b.prefetch_hints(),
+        hints,
+        "{name}: a prefill names no weight"
+    );
     let mut got = s.b.tensor_to_f32(&pre.logits.expect("logits")).expect("dl");
     for t in 200..ids.len() {
         let o = s
@@ -169,6 +177,12 @@ fn incremental(name: &str) {
         got.extend(s.b.tensor_to_f32(&o.logits.expect("logits")).expect("dl"));
     }
     assert_eq!(got.len(), ids.len() * v);
+    let layers = s.model.config().num_hidden_layers;
+    assert_eq!(
+        s.b.prefetch_hints() - hints,
+        ((ids.len() - 200) * layers) as u64,
+        "{name}: one hint per layer and decode step"
+    );
     let d = max_diff(&got, &want);
     eprintln!("{name}: prefill 200 + 120 decode max |Δlogit| = {d:e}");
     assert!(d <= TOL, "{name}: {d}");

@@ -104,6 +104,13 @@ fn gemm_block(wv: &WeightView<'_>, x: &[f32], k: usize, t: usize, first: usize, 
 }
 
 impl LinearOps for CpuBackend {
+    fn prefetch_weight(&self, w: &CpuWeight) -> Result<(), OpError> {
+        let _ = w;
+        self.prefetch_hints
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     fn load_weight(
         &self,
         name: &str,

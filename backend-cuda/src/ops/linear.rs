@@ -135,6 +135,10 @@ impl LinearOps for CudaBackend {
         Ok(out)
     }
 
+    fn prefetch_weight(&self, w: &CudaWeight) -> Result<(), OpError> {
+        self.prefetch_weight_l2(w)
+    }
+
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor, OpError> {
         if w.dims.len() != 2 {
             return Err(OpError::shape(

@@ -124,3 +124,23 @@ extern "C" __global__ void argmax_rows_f32(const float* x, u64 cols, u32* out) {
         out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
     }
 }
+
+// Weight prefetch into L2 (`CudaBackend::prefetch_weight`, `KVSTREAM_L2_PREFETCH`): `bytes` from
+// p (16-byte aligned) requested into L2 without waiting for them. sm_90: one bulk prefetch per
+// 64 KiB (the copy unit fetches; a block of one warp issues them all); below sm_90 one line
+// prefetch per 128 bytes (the launcher sizes the grid to the bytes). Launched as a programmatic
+// dependent of the kernel before it, it issues its requests while that kernel drains, then waits
+// for it, so its completion still implies the previous kernel's (stream order for the next one).
+extern "C" __global__ void l2_prefetch(const u8* __restrict__ p, u64 bytes) {
+    const u64 lane = (u64)blockIdx.x * blockDim.x + threadIdx.x, lanes = (u64)gridDim.x * blockDim.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const u64 chunk = 1u << 16;
+    for (u64 off = lane * chunk; off < bytes; off += lanes * chunk) {
+        const u32 n = (u32)min(chunk, bytes - off) & ~15u;
+        if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+#else
+    for (u64 off = lane * 128; off < bytes; off += lanes * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+#endif
+    grid_dependency_wait();
+}
