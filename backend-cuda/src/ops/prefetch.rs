@@ -101,9 +101,13 @@ impl CudaBackend {
         };
         let (p, n) = (w.ptr(), bytes as u64);
         let mut a = args![&p, &n];
-        // A programmatic dependent: its requests go out while the kernel before it drains; it
-        // waits for that kernel before it exits (elementwise.cu).
-        self.launch_dependent("l2_prefetch", f, cfg, &mut a)?;
+        // On sm_90 a programmatic dependent: its requests go out while the kernel before it
+        // drains; it waits for that kernel before it exits (elementwise.cu).
+        if self.arch_at_least(90) {
+            self.launch_dependent("l2_prefetch", f, cfg, &mut a)?;
+        } else {
+            self.launch("l2_prefetch", f, cfg, &mut a)?;
+        }
         self.l2_prefetch.launches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
