@@ -264,10 +264,33 @@ __device__ __forceinline__ u32 qp_owner(u32 item, u32 W, u32 work) {
 #endif
 #define SK_EMPTY 0xffffffffu
 
+// Flag-free hand-off slots (the SK_FLAGS levels here, and the tile q4 GEMV's split ranges in
+// gemv_mma.cu): a value is empty while it holds SK_EMPTY; the publisher stores with st.relaxed.gpu,
+// the taker loads with ld.relaxed.gpu (slot_load, several in flight), reloads a value that is still
+// empty (slot_settle), and puts SK_EMPTY back once it holds it. A value still missing after 2^28
+// reloads (minutes) is a broken hand-off: trap (a CUDA error) rather than hang.
+__device__ __forceinline__ void slot_put(float* p, float v) {
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(__float_as_uint(v)) : "memory");
+}
+__device__ __forceinline__ float slot_load(const float* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return __uint_as_float(v);
+}
+__device__ __forceinline__ float slot_settle(float* p, float v) {
+    u32 b = __float_as_uint(v);
+    for (u32 tries = 0; b == SK_EMPTY; tries++) {
+        if (tries == (1u << 28)) __trap();
+        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p));
+    }
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(SK_EMPTY) : "memory");
+    return __uint_as_float(b);
+}
+
 // Publisher: one partial-sum value into its slot.
 __device__ __forceinline__ void sk_put(float* p, float v) {
 #if SK_FLAGS
-    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(__float_as_uint(v)) : "memory");
+    slot_put(p, v);
 #else
     *p = v;
 #endif
@@ -307,25 +330,15 @@ __device__ __forceinline__ void sk_finished(u32* counter, int lane) {
 // Finisher: start loading a slot value (several go out before the first sk_settle).
 __device__ __forceinline__ float sk_load(const float* p) {
 #if SK_FLAGS
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return __uint_as_float(v);
+    return slot_load(p);
 #else
     return __ldcg(p);
 #endif
 }
-// Finisher: the value sk_load started, once it has landed; marks the slot value empty again. A
-// value still missing after 2^28 reloads (minutes) is a broken hand-off: trap (a CUDA error)
-// rather than hang.
+// Finisher: the value sk_load started, once it has landed; marks the slot value empty again.
 __device__ __forceinline__ float sk_settle(float* p, float v) {
 #if SK_FLAGS
-    u32 b = __float_as_uint(v);
-    for (u32 tries = 0; b == SK_EMPTY; tries++) {
-        if (tries == (1u << 28)) __trap();
-        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p));
-    }
-    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(SK_EMPTY) : "memory");
-    return __uint_as_float(b);
+    return slot_settle(p, v);
 #else
     return v;
 #endif

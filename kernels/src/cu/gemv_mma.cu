@@ -1008,29 +1008,12 @@ __device__ __forceinline__ void qt_place(u32 tl, u32 c, u32 nch, u32 skip, int S
 // when it reaches that tile (its last); block b + 1 keeps part B's sums (it reads that tile first)
 // and, after its whole range, waits for part A, adds A + B and stores. A block waits only for the
 // block before it, which the hardware schedules first, so even a grid that is not wholly resident
-// cannot deadlock. The hand-off needs no fence: each slot value is empty while it holds QT_EMPTY
-// (a NaN bit pattern float arithmetic never produces: its NaNs are 0x7fffffff), the publisher
-// stores with st.relaxed.gpu, the finisher reloads a value until it is not empty and puts
-// QT_EMPTY back (the launcher fills a new scratch buffer with 0xff bytes; every launch takes
-// every value it publishes). The sums are a function of N, K and B, never of T.
-#define QT_EMPTY 0xffffffffu
+// cannot deadlock. The hand-off needs no fence: common.cuh's slot_put / slot_load / slot_settle
+// (a value is empty while it holds SK_EMPTY, a NaN bit pattern float arithmetic never produces;
+// the launcher fills a new scratch buffer with 0xff bytes, its own buffer whatever SK_FLAGS is,
+// and every launch takes every value it publishes). The sums are a function of N, K and B, never
+// of T.
 #define QT_SPLIT_SLOT 256  // floats per scratch slot: NP · 2 values per lane, NP ≤ 4
-
-__device__ __forceinline__ void qt_put(float* p, float v) {
-    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(__float_as_uint(v)) : "memory");
-}
-// The value at p once published (a value missing after 2^28 reloads is a broken hand-off: trap
-// rather than hang), leaving p empty for the next launch.
-__device__ __forceinline__ float qt_take(float* p) {
-    u32 b;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p) : "memory");
-    for (u32 tries = 0; b == QT_EMPTY; tries++) {
-        if (tries == (1u << 28)) __trap();
-        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(b) : "l"(p) : "memory");
-    }
-    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(QT_EMPTY) : "memory");
-    return __uint_as_float(b);
-}
 
 // `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), counted on the
 // mbarrier at `bar`.
@@ -1210,7 +1193,7 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
 #pragma unroll
                 for (int p = 0; p < NP; p++)
 #pragma unroll
-                    for (int i = 0; i < 2; i++) qt_put(slotp + (p * 2 + i) * 32, sum[p][i]);
+                    for (int i = 0; i < 2; i++) slot_put(slotp + (p * 2 + i) * 32, sum[p][i]);
             } else {
                 qc_store<NP>(sum, tile, g, tq, T, N, y);
             }
@@ -1224,7 +1207,10 @@ __device__ __forceinline__ void q4i8t_body(const uint4* __restrict__ xf, const u
 #pragma unroll
         for (int p = 0; p < NP; p++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) a[p][i] = qt_take(slotp + (p * 2 + i) * 32) + head[p][i];
+            for (int i = 0; i < 2; i++) {
+                float* q = slotp + (p * 2 + i) * 32;
+                a[p][i] = slot_settle(q, slot_load(q)) + head[p][i];
+            }
         qc_store<NP>(a, tf, g, tq, T, N, y);
     }
 #else
