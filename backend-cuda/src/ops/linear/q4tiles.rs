@@ -92,7 +92,8 @@ fn split_stage_groups(tiles: usize, k: usize, blocks: usize, budget: usize) -> O
     let ng = k / 128;
     let whole = stage_groups(k, budget)?;
     let cost = |c: usize| {
-        let copies = if c == ng { 2 } else { 17 };
+        // A whole tile is one code copy; a cut is one per row (16). Plus the scales' copy.
+        let copies = if c == ng { 1 } else { 16 } + 1;
         let per_stage = stage_bytes(k, c).max(copies * COPY_OP_BYTES);
         (tiles * (ng / c)).div_ceil(blocks.max(1)) * per_stage
     };
